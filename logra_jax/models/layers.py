@@ -1,0 +1,210 @@
+"""Decoder building blocks: RMSNorm, Linear, RoPE and grouped-query attention.
+
+Parameters are float32 and carry logical axis names in their `axes` metadata (see logra_jax.sharding).
+A module built with `stack=L` holds L layers' parameters stacked on a leading "layers" axis; the decoder scans
+over that axis and calls the module on one layer's slice, so the same `__call__` serves both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.sharding import constrain
+
+# Finite mask value: a fully masked row (a padding query) softmaxes to uniform instead of NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _stacked(shape: tuple[int, ...], axes: tuple[str, ...], stack: int | None):
+    if stack is None:
+        return shape, axes
+    return (stack, *shape), ("layers", *axes)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x²) + eps) · scale, computed in float32 and returned in x's dtype."""
+
+    def __init__(self, features: int, eps: float, *, stack: int | None = None):
+        shape, axes = _stacked((features,), ("norm",), stack)
+        self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y.astype(x.dtype) * self.scale[...].astype(x.dtype)).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x · kernel (+ bias), kernel [in, out] (Flax layout: LoGRA's W is kernelᵀ, rows = out features)."""
+
+    def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], use_bias: bool = False,
+                 stack: int | None = None, rngs: nnx.Rngs, init_std: float = 0.02):
+        shape, kaxes = _stacked((in_features, out_features), axes, stack)
+        self.kernel = nnx.Param(init_std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=kaxes)
+        if use_bias:
+            bshape, baxes = _stacked((out_features,), axes[1:], stack)
+            self.bias = nnx.Param(jnp.zeros(bshape, jnp.float32), axes=baxes)
+        else:
+            self.bias = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...k,kd->...d", x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies θ^(-2i/d) [head_dim/2], with linear or llama3 scaling applied."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    if config.rope_scaling == "linear":
+        inv_freq = inv_freq / config.rope_scaling_factor
+    elif config.rope_scaling == "llama3":
+        factor = config.rope_scaling_factor
+        old = config.rope_original_max_position
+        low_wavelen = old / config.rope_low_freq_factor
+        high_wavelen = old / config.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - config.rope_low_freq_factor) / (
+            config.rope_high_freq_factor - config.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interleaved: bool) -> jax.Array:
+    """Rotate x [B, T, H, hd] by angle position·inv_freq.
+
+    rotate-half pairs dimension i with i + hd/2 (HF); interleaved pairs 2i with 2i+1 (GGUF / Meta).
+    """
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    if interleaved:
+        even, odd = x32[..., 0::2], x32[..., 1::2]
+        out = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(x.shape)
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x32[..., :half], x32[..., half:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, key_valid: jax.Array
+                     ) -> jax.Array:
+    """softmax(q kᵀ/√hd + mask) v with q [B, T, Hkv, G, hd], k/v [B, S, Hkv, hd]; mask: key valid and causal."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    key_slots = jnp.arange(k.shape[1])
+    mask = key_valid[:, None, :] & (key_slots[None, None, :] <= q_slots[None, :, None])  # [B, T, S]
+    s = jnp.where(mask[:, None, None], s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, key_valid: jax.Array,
+                       chunk: int) -> jax.Array:
+    """Same result as `_dense_attention`, with an online softmax over key chunks (no [T, S] scores)."""
+    B, S, Hkv, hd = k.shape
+    T, G = q.shape[1], q.shape[3]
+    n = -(-S // chunk)
+    pad = n * chunk - S
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        key_valid = jnp.pad(key_valid, ((0, 0), (0, pad)))
+    kc = k.reshape(B, n, chunk, Hkv, hd).swapaxes(0, 1)
+    vc = v.reshape(B, n, chunk, Hkv, hd).swapaxes(0, 1)
+    validc = key_valid.reshape(B, n, chunk).swapaxes(0, 1)
+    slotc = jnp.arange(n * chunk).reshape(n, chunk)
+    scale = 1.0 / math.sqrt(hd)
+
+    @jax.checkpoint
+    def step(carry, xs):
+        m, l, acc = carry
+        kb, vb, validb, slotb = xs
+        s = jnp.einsum("btkgh,bskh->bkgts", q, kb, preferred_element_type=jnp.float32) * scale
+        mask = validb[:, None, :] & (slotb[None, None, :] <= q_slots[None, :, None])
+        s = jnp.where(mask[:, None, None], s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p.astype(vb.dtype), vb,
+                                                 preferred_element_type=jnp.float32)
+        return (m_new, l, acc), None
+
+    init = (jnp.full((B, Hkv, G, T), MASK_VALUE, jnp.float32), jnp.zeros((B, Hkv, G, T), jnp.float32),
+            jnp.zeros((B, Hkv, G, T, hd), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(step, init, (kc, vc, validc, slotc))
+    out = acc / l[..., None]
+    return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE and an optional KV cache."""
+
+    def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.q_proj = Linear(c.hidden_size, c.q_size, axes=("embed", "q_heads"), use_bias=c.qkv_bias,
+                             stack=stack, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.kv_size, axes=("embed", "kv_heads"), use_bias=c.qkv_bias,
+                             stack=stack, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, c.kv_size, axes=("embed", "kv_heads"), use_bias=c.qkv_bias,
+                             stack=stack, rngs=rngs)
+        self.o_proj = Linear(c.q_size, c.hidden_size, axes=("q_heads", "embed"), stack=stack, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, q_slots: jax.Array, key_valid: jax.Array,
+                 cache: tuple[jax.Array, jax.Array] | None = None, write_index: jax.Array | None = None,
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """x [B, T, D] → [B, T, D]. With a cache (k, v [B, S, Hkv, hd]) the new keys are written at
+        `write_index` and attention runs over the whole cache; `key_valid` [B, S] marks real tokens."""
+        c = self.config
+        B, T, _ = x.shape
+        G = c.num_heads // c.num_kv_heads
+        inv_freq = rope_inv_freq(c)
+        q = self.q_proj(x).reshape(B, T, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
+        q = constrain(apply_rope(q, positions, inv_freq, c.rope_interleaved),
+                      ("batch", "length", "act_heads", None))
+        k = constrain(apply_rope(k, positions, inv_freq, c.rope_interleaved),
+                      ("batch", "length", "act_kv_heads", None))
+        v = constrain(v, ("batch", "length", "act_kv_heads", None))
+        if cache is not None:
+            cache_k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, write_index, 0, 0))
+            cache_v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, write_index, 0, 0))
+            cache = (cache_k, cache_v)
+            k, v = cache_k.astype(x.dtype), cache_v.astype(x.dtype)
+        qg = q.reshape(B, T, c.num_kv_heads, G, c.head_dim)
+        if c.attention_impl == "chunked":
+            out = _chunked_attention(qg, k, v, q_slots, key_valid, c.attention_chunk)
+        else:
+            out = _dense_attention(qg, k, v, q_slots, key_valid)
+        out = constrain(out.reshape(B, T, c.q_size), ("batch", "length", "act_heads"))
+        return self.o_proj(out), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(d, f, axes=("embed", "mlp"), stack=stack, rngs=rngs)
+        self.up_proj = Linear(d, f, axes=("embed", "mlp"), stack=stack, rngs=rngs)
+        self.down_proj = Linear(f, d, axes=("mlp", "embed"), stack=stack, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(constrain(h, ("batch", "length", "act_mlp")))
