@@ -131,7 +131,7 @@ def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Ar
 
     @jax.checkpoint
     def step(carry, xs):
-        m, l, acc = carry
+        m, denom, acc = carry
         kb, vb, validb, slotb = xs
         s = jnp.einsum("btkgh,bskh->bkgts", q, kb, preferred_element_type=jnp.float32) * scale
         mask = validb[:, None, :] & (slotb[None, None, :] <= q_slots[None, :, None])
@@ -139,15 +139,15 @@ def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Ar
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(-1)
+        denom = denom * corr + p.sum(-1)
         acc = acc * corr[..., None] + jnp.einsum("bkgts,bskh->bkgth", p.astype(vb.dtype), vb,
                                                  preferred_element_type=jnp.float32)
-        return (m_new, l, acc), None
+        return (m_new, denom, acc), None
 
     init = (jnp.full((B, Hkv, G, T), MASK_VALUE, jnp.float32), jnp.zeros((B, Hkv, G, T), jnp.float32),
             jnp.zeros((B, Hkv, G, T, hd), jnp.float32))
-    (_, l, acc), _ = jax.lax.scan(step, init, (kc, vc, validc, slotc))
-    out = acc / l[..., None]
+    (_, denom, acc), _ = jax.lax.scan(step, init, (kc, vc, validc, slotc))
+    out = acc / denom[..., None]
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
 
