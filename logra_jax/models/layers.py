@@ -53,8 +53,15 @@ class Linear(nnx.Module):
         else:
             self.bias = None
 
+        # Installed by logra_jax.optim.sketch_native on LoGRA targets: a callable
+        # (x, kernel, probe, digest) -> y that routes the weight's gradient signal into `sketch_probe`.
+        self.lowrank_hook = None
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...k,kd->...d", x, self.kernel[...].astype(x.dtype))
+        if self.lowrank_hook is not None:
+            y = self.lowrank_hook(x, self.kernel[...], self.sketch_probe[...], self.sketch_digest[...])
+        else:
+            y = jnp.einsum("...k,kd->...d", x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
