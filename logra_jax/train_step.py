@@ -16,6 +16,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from logra_jax.optim.lowrank import LowRankUpdate
+from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
+from logra_jax.optim.sketch_native import SketchProbe, SketchSpec, sketching
+from logra_jax.optim.targets import Target, path_str
+
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mapping[str, jax.Array]]]
 
 
@@ -99,6 +104,71 @@ def make_dense_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.Gra
         updates, opt_state = tx.update(grads, state.opt_state, params, **extra)
         new_params = apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        return TrainState(new_params, opt_state, state.step + 1), metrics
+
+    return step
+
+
+def make_sketch_native_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
+                                  targets: Mapping[str, Target], spec: SketchSpec, *, microbatches: int = 1,
+                                  round_bf16: bool = False, trainable: Callable[[tuple, Any], bool] | None = None):
+    """Train step whose target layers deliver sketches S = Hᵀ(X Aᵀ) directly (no dense target gradient).
+
+    The model must carry sketch probes (`logra_jax.optim.attach_sketch_probes(model, spec)`) and be split as
+    `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` (probes and digests live in `rest`). Per
+    microbatch, `jax.grad` with respect to the zero probes (and the trainable non-target params, if any) runs
+    inside `sketching(state.step)`; sketches accumulate in float32. Target updates enter `tx` as LowRankUpdate
+    leaves (factor = S, step = state.step), which `scale_by_sketch` passes through, so the chain from RowAdam
+    on is the same code as in dense-gradient mode. Frozen non-targets get zero updates.
+
+    Args:
+      graphdef, loss_fn, tx, microbatches: as in `make_dense_train_step`.
+      targets: the targets `attach_sketch_probes` returned.
+      spec: the sketch settings `attach_sketch_probes` used (must match tx's scale_by_sketch settings).
+      round_bf16: the round_bf16 flag of the produced LowRankUpdates (must match tx's).
+      trainable: predicate (path, variable) -> bool for non-target params trained densely; None = none.
+
+    Returns:
+      step(state: TrainState, rest: nnx.State, batch, **extra) -> (TrainState, metrics dict).
+    """
+    probe_path = {t: t.rsplit(".", 1)[0] + ".sketch_probe" for t in targets}
+
+    def step(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array], **extra: Any):
+        params = state.params
+        probes, others = nnx.split_state(rest, SketchProbe, ...)
+        if trainable is None:
+            train, frozen = None, params
+        else:
+            train, frozen = nnx.split_state(params, trainable, ...)
+
+        def value_and_grad(mb):
+            def loss_of(diff):
+                probe_values, train_params = diff
+                full = frozen if train_params is None else nnx.merge_state(train_params, frozen)
+                with sketching(state.step):
+                    model = nnx.merge(graphdef, full, nnx.merge_state(probe_values, others))
+                    return loss_fn(model, mb)
+            return jax.value_and_grad(loss_of, has_aux=True)((probes, train))
+
+        loss, (sketch_grads, train_grads), aux = accumulate_grads(value_and_grad, batch, microbatches)
+        sketches = {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(sketch_grads)}
+        dense = {} if train_grads is None else {
+            path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(train_grads)}
+
+        def update_leaf(keypath, p):
+            path = path_str(keypath)
+            if path in targets:
+                return LowRankUpdate(sketches[probe_path[path]], state.step, target=targets[path],
+                                     base_seed=spec.base_seed, rank=spec.rank, distribution=spec.distribution,
+                                     refresh=spec.refresh, round_bf16=round_bf16)
+            return dense[path] if path in dense else jnp.zeros_like(p)
+
+        grads = jax.tree_util.tree_map_with_path(update_leaf, params)
+        updates, opt_state = tx.update(grads, state.opt_state, params, **extra)
+        new_params = apply_lowrank_updates(params, updates)
+        metrics = {"loss": loss, "sketch_norm": optax.global_norm(list(sketches.values())), **aux}
+        if dense:
+            metrics["grad_norm"] = optax.global_norm(list(dense.values()))
         return TrainState(new_params, opt_state, state.step + 1), metrics
 
     return step

@@ -1,0 +1,146 @@
+"""Sketch-native mode: target layers hand the optimizer S = G Aᵀ directly; no dense gradient is ever formed.
+
+`attach_sketch_probes(model, spec)` gives every LoGRA target Linear of an NNX model
+  - a `SketchProbe` [*batch, d, r] (zeros; its gradient is the sketch S, logical axes follow the weight rows),
+  - a `SketchDigest` [*batch, 2] (BLAKE2b digest words of each slice's canonical path, LOGRA.md §2),
+  - a hook that, inside `sketching(step)`, regenerates A = projection(seed(base, step, path)) per layer and runs
+    `kernels.sketched_linear` (forward keeps X Aᵀ, backward returns Hᵀ(X Aᵀ) into the probe).
+Outside a `sketching` block the hooked layers compute the plain y = x·K, so rollouts and evaluation are unchanged.
+Inside `sketching(step, kind="tangent")` they compute y = x·K + (X Aᵀ)·Pᵀ, whose JVP with respect to the probes
+with tangent U gives δy = (X Aᵀ) Uᵀ = X·ΔKᵀ-free: the factored form of the low-rank update ΔW = U·A, used by the
+predicted-KL probe (LOGRA.md §5) without building ΔW.
+
+The step must be traced inside the function being jitted: enter `sketching` inside it, never around a jit call
+(the jit cache does not see context variables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from logra_jax.kernels.project import sketched_linear
+from logra_jax.models.layers import Linear
+from logra_jax.optim.projection import digest_words, key_from_digest, projection
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, TargetRule, find_targets
+
+
+class SketchProbe(nnx.Variable):
+    """Zero-valued receiver [*batch, d, r] whose gradient is the layer's sketch S = G Aᵀ (float32)."""
+
+
+class SketchDigest(nnx.Variable):
+    """uint32 [*batch, 2]: (hi, lo) words of the BLAKE2b digest of each slice's canonical parameter path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SketchSpec:
+    """How target layers sketch: rank r, projection seed base and distribution, refresh every step."""
+
+    rank: int
+    base_seed: int = 42
+    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+    refresh: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"SketchSpec.rank must be a positive integer, got {self.rank!r}")
+        if self.distribution not in ("rademacher", "gaussian"):
+            raise ValueError(f"SketchSpec.distribution must be 'rademacher' or 'gaussian', got {self.distribution!r}")
+
+
+class _Mode(NamedTuple):
+    kind: str
+    step: jax.Array
+
+
+_MODE: contextvars.ContextVar[_Mode | None] = contextvars.ContextVar("logra_sketch_mode", default=None)
+
+
+@contextlib.contextmanager
+def sketching(step: jax.Array | int, kind: Literal["sketch", "tangent"] = "sketch") -> Iterator[None]:
+    """Make hooked target layers sketch (or accept tangents) with the projections of update `step`."""
+    if kind not in ("sketch", "tangent"):
+        raise ValueError(f"sketching: kind must be 'sketch' or 'tangent', got {kind!r}")
+    token = _MODE.set(_Mode(kind, jnp.asarray(step, jnp.int32)))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankHook:
+    """The callable installed on a target Linear; hashable so it can live in the NNX graphdef."""
+
+    spec: SketchSpec
+
+    def projection(self, step: jax.Array, digest: jax.Array, width: int) -> jax.Array:
+        step = step if self.spec.refresh else jnp.zeros((), jnp.int32)
+        key = key_from_digest(self.spec.base_seed, step, digest)
+        return projection(key, self.spec.rank, width, self.spec.distribution)
+
+    def __call__(self, x: jax.Array, kernel: jax.Array, probe: jax.Array, digest: jax.Array) -> jax.Array:
+        mode = _MODE.get()
+        if mode is None:
+            return jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
+        a = self.projection(mode.step, digest, kernel.shape[-2])
+        if mode.kind == "sketch":
+            return sketched_linear(x, jax.lax.stop_gradient(kernel), jax.lax.stop_gradient(a), probe)
+        y = jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
+        p = jnp.einsum("...k,rk->...r", x, a.astype(x.dtype))
+        return y + jnp.einsum("...r,dr->...d", p, probe.astype(x.dtype))
+
+
+def _module_at(model: nnx.Module, path: str) -> nnx.Module:
+    node = model
+    for name in path.split("."):
+        node = node[int(name)] if name.isdigit() else getattr(node, name)
+    return node
+
+
+def attach_sketch_probes(model: nnx.Module, spec: SketchSpec,
+                         rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES) -> dict[str, Target]:
+    """Install sketch probes, digests and hooks on every target Linear of `model` (in place).
+
+    Args:
+      model: an NNX model whose target weights are `Linear.kernel`s in Flax layout [*batch, k, d].
+      spec: rank, seed base, distribution and refresh of the projections.
+      rules: which parameters are targets (logra_jax.optim.targets).
+
+    Returns:
+      The targets found, by canonical path ("blocks.attn.q_proj.kernel").
+
+    Raises:
+      ValueError: no target matches, or a target is not the kernel of a Linear with rows on the last axis and
+        the width on the one before (sketch-native mode needs the layer to own its matmul).
+    """
+    targets = find_targets(nnx.state(model, nnx.Param), rules)
+    for path, target in targets.items():
+        owner, _, leaf = path.rpartition(".")
+        module = _module_at(model, owner) if owner else model
+        rank = len(target.shape)
+        if leaf != "kernel" or not isinstance(module, Linear) or target.dims.rows != (rank - 1,) \
+                or target.dims.width != (rank - 2,):
+            raise ValueError(
+                f"sketch-native mode needs target {path!r} to be a Linear kernel [*batch, k, d] with "
+                f"rows=(-1,) and width=(-2,); got module {type(module).__name__} and dims {target.dims}")
+        axes = module.kernel.get_metadata().get("axes")
+        batch_axes = tuple(axes[:-2]) if axes else (None,) * len(target.batch_shape)
+        n = int(np.prod(target.batch_shape, dtype=np.int64))
+        slice_paths = [f"{path}.{i}" for i in range(n)] if target.batch_shape else [path]
+        words = digest_words(slice_paths).reshape(*target.batch_shape, 2)
+        module.sketch_probe = SketchProbe(
+            jnp.zeros((*target.batch_shape, *target.rows_shape, spec.rank), jnp.float32),
+            axes=(*batch_axes, axes[-1] if axes else None, None))
+        module.sketch_digest = SketchDigest(jnp.asarray(words, jnp.uint32), axes=(*batch_axes, None))
+        module.lowrank_hook = LowRankHook(spec)
+    return targets
