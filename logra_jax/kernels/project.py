@@ -5,12 +5,38 @@ Forward keeps P = X Aᵀ [T, r] as the residual (never X for the weight's sake);
   ∂L/∂x = H Kᵀ,   ∂L/∂probe = Hᵀ P = (Hᵀ X) Aᵀ = G Aᵀ = S   [d, r] (float32),
 and zero cotangents for K and A: the dense gradient G = Hᵀ X is never formed. `probe` is a zero [d, r] input
 whose only purpose is to receive S: `jax.grad` with respect to the probes yields the sketches.
+
+Two implementations with the same semantics, chosen by `implementation=`:
+- "xla": einsums; XLA schedules them.
+- "pallas": two fused kernels. Forward: one sweep over (T, d, k) blocks computes y = X K and, on the first column
+  of d blocks, P = X Aᵀ from the same X tiles. Backward: one sweep over (T, k, d) blocks computes dX = H Kᵀ and,
+  on the first column of k blocks, accumulates S += Hᵀ P from the same H tiles into a VMEM-resident float32
+  S [d, r] (written to HBM once at the end). All accumulations are float32.
+Without differentiation both compute the plain y = x·K with XLA: the fused forward only pays off when P is kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from logra_jax.kernels.backend import (
+    check_block,
+    check_implementation,
+    check_pallas_platform,
+    compiler_params,
+    fit_block,
+    num_blocks,
+    zero_outside,
+)
+
+_NT = (((1,), (1,)), ((), ()))  # contract the last axis of both operands: a · bᵀ
+_TN = (((0,), (0,)), ((), ()))  # contract the first axis of both operands: aᵀ · b
 
 
 def _project(x: jax.Array, a: jax.Array) -> jax.Array:
@@ -18,8 +44,254 @@ def _project(x: jax.Array, a: jax.Array) -> jax.Array:
     return jnp.einsum("...k,rk->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    return jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# XLA implementation (also the reference semantics of the Pallas one).
+
+
 @jax.custom_vjp
-def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Array) -> jax.Array:
+def _sketched_linear_xla(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Array) -> jax.Array:
+    del a, probe
+    return _linear(x, kernel)
+
+
+def _xla_fwd(x, kernel, a, probe):
+    return _linear(x, kernel), (_project(x, a), kernel, a, probe)
+
+
+def _xla_bwd(res, h):
+    p, kernel, a, probe = res
+    dx = jnp.einsum("...d,kd->...k", h, kernel.astype(h.dtype))
+    s = jnp.einsum("...d,...r->dr", h, p, preferred_element_type=jnp.float32)
+    return dx, jnp.zeros_like(kernel), jnp.zeros_like(a), s.astype(probe.dtype)
+
+
+_sketched_linear_xla.defvjp(_xla_fwd, _xla_bwd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain-jnp references of the two fused kernels.
+
+
+def fused_forward_reference(x: jax.Array, kernel: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(y, P) = (X K, X Aᵀ) for X [T, k], K [k, d], A [r, k]; both in x's dtype, accumulated in float32."""
+    y = jnp.einsum("tk,kd->td", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype), _project(x, a)
+
+
+def fused_backward_reference(h: jax.Array, p: jax.Array, kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(dX, S) = (H Kᵀ, Hᵀ P) for H [T, d], P [T, r], K [k, d]: dX [T, k] in h's dtype, S [d, r] float32."""
+    dx = jnp.einsum("td,kd->tk", h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+    return dx.astype(h.dtype), jnp.einsum("td,tr->dr", h, p, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pallas kernels.
+
+
+def _forward_kernel(x_ref, k_ref, a_ref, y_ref, p_ref, y_acc, p_acc, *, bk: int, k: int):
+    """Grid (T blocks ti, d blocks di, k blocks ki); ki is the reduction. P's block ti stays resident."""
+    di, ki = pl.program_id(1), pl.program_id(2)
+    last_k = ki == pl.num_programs(2) - 1
+    x = zero_outside(x_ref[...], 1, ki, bk, k)
+    kernel = zero_outside(k_ref[...].astype(x.dtype), 0, ki, bk, k)
+
+    @pl.when(ki == 0)
+    def _():
+        y_acc[...] = jnp.zeros_like(y_acc)
+
+    y_acc[...] += jnp.dot(x, kernel, preferred_element_type=jnp.float32)
+
+    @pl.when(last_k)
+    def _():
+        y_ref[...] = y_acc[...].astype(y_ref.dtype)
+
+    @pl.when(di == 0)
+    def _():
+        @pl.when(ki == 0)
+        def _():
+            p_acc[...] = jnp.zeros_like(p_acc)
+
+        a = zero_outside(a_ref[...].astype(x.dtype), 1, ki, bk, k)
+        p_acc[...] += jax.lax.dot_general(x, a, _NT, preferred_element_type=jnp.float32)
+
+        @pl.when(last_k)
+        def _():
+            p_ref[...] = p_acc[...].astype(p_ref.dtype)
+
+
+def _backward_kernel(h_ref, p_ref, k_ref, dx_ref, s_ref, dx_acc, *, bt: int, bd: int, t: int, d: int):
+    """Grid (T blocks ti, k blocks ki, d blocks di): di reduces dX; (ti, di) at ki = 0 reduce S (resident)."""
+    ti, ki, di = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h = zero_outside(h_ref[...], 1, di, bd, d)
+    kernel = zero_outside(k_ref[...].astype(h.dtype), 1, di, bd, d)
+
+    @pl.when(di == 0)
+    def _():
+        dx_acc[...] = jnp.zeros_like(dx_acc)
+
+    dx_acc[...] += jax.lax.dot_general(h, kernel, _NT, preferred_element_type=jnp.float32)
+
+    @pl.when(di == pl.num_programs(2) - 1)
+    def _():
+        dx_ref[...] = dx_acc[...].astype(dx_ref.dtype)
+
+    @pl.when((ti == 0) & (ki == 0) & (di == 0))
+    def _():
+        s_ref[...] = jnp.zeros_like(s_ref)
+
+    @pl.when(ki == 0)
+    def _():
+        h_rows = zero_outside(h, 0, ti, bt, t)
+        p = zero_outside(p_ref[...], 0, ti, bt, t)
+        rows = pl.ds(pl.multiple_of(di * bd, bd), bd)
+        s_ref[rows, :] += jax.lax.dot_general(h_rows, p, _TN, preferred_element_type=jnp.float32)
+
+
+def _itemsize(x: jax.Array) -> int:
+    return jnp.dtype(x.dtype).itemsize
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_t", "block_d", "block_k"))
+def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: bool = False, block_t: int = 256,
+                  block_d: int = 512, block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+    """Pallas: (y, P) = (X K, X Aᵀ) in one sweep, X tiles read once for both products.
+
+    Args:
+      x: X [T, k] (compute dtype).
+      kernel: K [k, d], cast to x's dtype block by block.
+      a: A [r, k], cast to x's dtype block by block.
+      interpret: run the kernel in the Pallas interpreter (required on CPU).
+      block_t, block_d, block_k: block sizes along T, d and k (clipped to the array; TPU wants multiples of
+        (8 or 16, 128) for sublane/lane axes unless a block spans the whole axis).
+
+    Returns:
+      y [T, d] and P [T, r], both in x's dtype (float32 accumulation).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> y, p = fused_forward(jnp.ones((4, 8)), jnp.ones((8, 3)), jnp.ones((2, 8)), interpret=True)
+      >>> y.shape, p.shape
+      ((4, 3), (4, 2))
+    """
+    check_pallas_platform("fused_forward", interpret)
+    (t, k), (_, d), (r, _) = x.shape, kernel.shape, a.shape
+    bt, bd, bk = fit_block(t, block_t), fit_block(d, block_d), fit_block(k, block_k)
+    itemsize = _itemsize(x)
+    vmem = 2 * (bt * bk * itemsize + bk * bd * _itemsize(kernel) + r * bk * _itemsize(a)
+                + (bt * bd + bt * r) * itemsize) + 4 * (bt * bd + bt * r)
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, bk=bk, k=k),
+        out_shape=(jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, r), x.dtype)),
+        grid=(num_blocks(t, bt), num_blocks(d, bd), num_blocks(k, bk)),
+        in_specs=[
+            pl.BlockSpec((bt, bk), lambda ti, di, ki: (ti, ki)),
+            pl.BlockSpec((bk, bd), lambda ti, di, ki: (ki, di)),
+            pl.BlockSpec((r, bk), lambda ti, di, ki: (0, ki)),
+        ],
+        out_specs=[
+            pl.BlockSpec((bt, bd), lambda ti, di, ki: (ti, di)),
+            pl.BlockSpec((bt, r), lambda ti, di, ki: (ti, 0)),
+        ],
+        scratch_shapes=[pltpu.VMEM((bt, bd), jnp.float32), pltpu.VMEM((bt, r), jnp.float32)],
+        compiler_params=compiler_params(("parallel", "arbitrary", "arbitrary"), vmem),
+        interpret=interpret,
+        name="logra_fused_forward",
+    )(x, kernel, a)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_t", "block_d", "block_k"))
+def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: bool = False, block_t: int = 256,
+                   block_d: int = 512, block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+    """Pallas: (dX, S) = (H Kᵀ, Hᵀ P) in one sweep, H tiles read once for both products.
+
+    S [d, r] stays resident in VMEM (float32, d rounded up to a multiple of block_d) for the whole sweep, so the
+    kernel's grid runs in order; its VMEM footprint grows with d·r (≈ 19 MiB at d = 18944, r = 256).
+
+    Args:
+      h: H = ∂L/∂y [T, d] (compute dtype).
+      p: P = X Aᵀ [T, r] (the forward residual).
+      kernel: K [k, d], cast to h's dtype block by block.
+      interpret: run the kernel in the Pallas interpreter (required on CPU).
+      block_t, block_d, block_k: block sizes along T, d and k (clipped to the array).
+
+    Returns:
+      dX [T, k] in h's dtype and S [d, r] float32.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> dx, s = fused_backward(jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.ones((8, 3)), interpret=True)
+      >>> dx.shape, s.shape
+      ((4, 8), (3, 2))
+    """
+    check_pallas_platform("fused_backward", interpret)
+    (t, d), (_, r), (k, _) = h.shape, p.shape, kernel.shape
+    bt, bd, bk = fit_block(t, block_t), fit_block(d, block_d), fit_block(k, block_k)
+    d_pad = num_blocks(d, bd) * bd
+    itemsize = _itemsize(h)
+    vmem = 2 * (bt * bd * itemsize + bt * r * _itemsize(p) + bk * bd * _itemsize(kernel) + bt * bk * itemsize
+                + d_pad * r * 4) + 4 * bt * bk
+    dx, s = pl.pallas_call(
+        functools.partial(_backward_kernel, bt=bt, bd=bd, t=t, d=d),
+        out_shape=(jax.ShapeDtypeStruct((t, k), h.dtype), jax.ShapeDtypeStruct((d_pad, r), jnp.float32)),
+        grid=(num_blocks(t, bt), num_blocks(k, bk), num_blocks(d, bd)),
+        in_specs=[
+            pl.BlockSpec((bt, bd), lambda ti, ki, di: (ti, di)),
+            pl.BlockSpec((bt, r), lambda ti, ki, di: (ti, 0)),
+            pl.BlockSpec((bk, bd), lambda ti, ki, di: (ki, di)),
+        ],
+        out_specs=[
+            pl.BlockSpec((bt, bk), lambda ti, ki, di: (ti, ki)),
+            pl.BlockSpec((d_pad, r), lambda ti, ki, di: (0, 0)),
+        ],
+        scratch_shapes=[pltpu.VMEM((bt, bk), jnp.float32)],
+        compiler_params=compiler_params(("arbitrary", "arbitrary", "arbitrary"), vmem),
+        interpret=interpret,
+        name="logra_fused_backward",
+    )(h, p, kernel)
+    return dx, s[:d]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PallasConfig:
+    """Static (hashable) configuration of the Pallas path, passed to the custom_vjp as a non-differentiable arg."""
+
+    interpret: bool
+    block_t: int
+    block_d: int
+    block_k: int
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sketched_linear_pallas(x, kernel, a, probe, config: _PallasConfig):
+    del a, probe, config
+    return _linear(x, kernel)
+
+
+def _pallas_fwd(x, kernel, a, probe, config: _PallasConfig):
+    y, p = fused_forward(x.reshape(-1, x.shape[-1]), kernel, a, **config.kwargs())
+    return y.reshape(*x.shape[:-1], y.shape[-1]), (p, kernel, a, probe)
+
+
+def _pallas_bwd(config: _PallasConfig, res, h):
+    p, kernel, a, probe = res
+    dx, s = fused_backward(h.reshape(-1, h.shape[-1]), p, kernel, **config.kwargs())
+    dx = dx.reshape(*h.shape[:-1], dx.shape[-1])
+    return dx, jnp.zeros_like(kernel), jnp.zeros_like(a), s.astype(probe.dtype)
+
+
+_sketched_linear_pallas.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Array, *,
+                    implementation: str = "xla", interpret: bool = False, block_t: int = 256, block_d: int = 512,
+                    block_k: int = 512) -> jax.Array:
     """y = x · kernel, with ∂L/∂probe = Hᵀ (X Aᵀ) = G Aᵀ and no dense weight gradient.
 
     Args:
@@ -27,9 +299,17 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
       kernel: weight in Flax layout [k, d]; cast to x's dtype. Its cotangent is zero (it is not trained densely).
       a: projection A [r, k].
       probe: zeros [d, r] float32; its cotangent is the sketch S [d, r] summed over all leading axes of x.
+      implementation: "xla" (einsums) or "pallas" (the fused kernels `fused_forward` / `fused_backward`).
+      interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
+      block_t, block_d, block_k: Pallas only: block sizes along tokens, output and input features.
 
     Returns:
       y [..., d] in x's dtype.
+
+    Raises:
+      ValueError: unknown implementation, non-positive block sizes, shapes that do not chain
+        (x [..., k], kernel [k, d], a [r, k], probe [d, r]), or compiled Pallas on CPU.
+      NotImplementedError: compiled Pallas on GPU (see logra_jax.kernels.backend).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -39,20 +319,18 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
       >>> s.shape
       (3, 2)
     """
-    del a, probe
-    return jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
-
-
-def _fwd(x, kernel, a, probe):
-    y = jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
-    return y, (_project(x, a), kernel, a, probe)
-
-
-def _bwd(res, h):
-    p, kernel, a, probe = res
-    dx = jnp.einsum("...d,kd->...k", h, kernel.astype(h.dtype))
-    s = jnp.einsum("...d,...r->dr", h, p, preferred_element_type=jnp.float32)
-    return dx, jnp.zeros_like(kernel), jnp.zeros_like(a), s.astype(probe.dtype)
-
-
-sketched_linear.defvjp(_fwd, _bwd)
+    check_implementation(implementation, "sketched_linear")
+    if kernel.ndim != 2 or a.ndim != 2 or probe.ndim != 2 or x.ndim < 1:
+        raise ValueError(f"sketched_linear: expected x [..., k], kernel [k, d], a [r, k], probe [d, r]; got shapes "
+                         f"x {x.shape}, kernel {kernel.shape}, a {a.shape}, probe {probe.shape}")
+    (k, d), (r, ka) = kernel.shape, a.shape
+    if x.shape[-1] != k or ka != k or probe.shape != (d, r):
+        raise ValueError(f"sketched_linear: shapes do not chain (x [..., k], kernel [k, d], a [r, k], probe [d, r]): "
+                         f"x {x.shape}, kernel {kernel.shape}, a {a.shape}, probe {probe.shape}")
+    if implementation == "xla":
+        return _sketched_linear_xla(x, kernel, a, probe)
+    check_pallas_platform("sketched_linear", interpret)
+    config = _PallasConfig(bool(interpret), check_block("block_t", block_t, "sketched_linear"),
+                           check_block("block_d", block_d, "sketched_linear"),
+                           check_block("block_k", block_k, "sketched_linear"))
+    return _sketched_linear_pallas(x, kernel, a, probe, config)

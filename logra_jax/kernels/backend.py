@@ -1,0 +1,121 @@
+"""What every Pallas kernel of logra_jax shares: the implementation switch, block sizes, edge masks, compiler params.
+
+The kernels are portable Pallas (`pl.pallas_call` with a grid and BlockSpecs, jnp ops inside). They run
+- in interpret mode anywhere (`interpret=True`; the only mode on CPU, where tests run them), and
+- compiled by Mosaic TPU on TPUs, with the dimension semantics given here (reductions on the last, "arbitrary"
+  grid axes; an output block that is revisited stays resident in VMEM and is written back once).
+Mosaic GPU (the default GPU lowering of `pallas_call` since jax 0.10) has no rule for `dot_general` or for
+reductions along the minor axis, so these kernels do not lower on GPUs (checked by cross-lowering with jax 0.10.2);
+a GPU version needs plgpu-specific kernels (wgmma on swizzled SMEM tiles). `default_implementation()` therefore
+picks Pallas on TPUs only, and `check_pallas_platform` says so up front instead of failing inside the lowering.
+
+Array sizes need not be multiples of the blocks: an edge block is partial. Rows or columns past the end of an
+array hold garbage (NaN in interpret mode), which is harmless where it only reaches output positions that are
+dropped on the write-back, and is zeroed with `zero_outside` where it would enter a reduction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+Implementation = Literal["xla", "pallas"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas")
+
+# Mosaic TPU's default scoped-VMEM limit is 16-32 MiB depending on the chip; kernels whose resident blocks need
+# more ask for it explicitly (up to what the chip has; the compiler reports a request it cannot meet).
+_DEFAULT_VMEM_BYTES = 16 << 20
+
+
+def check_implementation(implementation: str, where: str) -> str:
+    """Returns `implementation` if it is 'xla' or 'pallas'; raises ValueError naming `where` otherwise."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{where}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    return implementation
+
+
+def default_implementation(platform: str | None = None) -> Implementation:
+    """The implementation to use on `platform` (default: JAX's default backend): Pallas on TPU, XLA elsewhere.
+
+    Example:
+      >>> default_implementation("cpu")
+      'xla'
+    """
+    platform = jax.default_backend() if platform is None else platform
+    return "pallas" if platform == "tpu" else "xla"
+
+
+def check_block(name: str, value: Any, where: str) -> int:
+    """Returns the block size `value` as an int; raises ValueError unless it is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def fit_block(size: int, block: int) -> int:
+    """The block actually used along an axis of `size`: the whole axis when it fits in one block.
+
+    A block equal to the full axis is always a legal TPU block shape, whatever its alignment.
+    """
+    return size if size <= block else block
+
+
+def num_blocks(size: int, block: int) -> int:
+    """Grid extent covering `size` with blocks of `block` (the last block may be partial)."""
+    return math.ceil(size / block)
+
+
+def zero_outside(x: jax.Array, axis: int, block_index: jax.Array, block: int, size: int) -> jax.Array:
+    """Zeroes the entries of block `x` that lie past `size` along `axis` (the edge of a reduction).
+
+    `block_index` is the block's position along that axis (a `pl.program_id` read at the top of the kernel: the
+    interpreter does not evaluate program ids inside `pl.when` bodies). Nothing is emitted when `size` is a
+    multiple of `block`: only the last block of an axis can be partial. `where` rather than a multiply, so NaN
+    garbage in the padding cannot leak through 0·NaN.
+    """
+    if size % block == 0:
+        return x
+    index = block_index * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.where(index < size, x, jnp.zeros_like(x))
+
+
+def check_pallas_platform(where: str, interpret: bool) -> None:
+    """Raises unless the Pallas kernels can run here: interpreted anywhere, compiled on TPU only.
+
+    Raises:
+      ValueError: compiled (interpret=False) on CPU, where Pallas only interprets.
+      NotImplementedError: compiled on GPU: Mosaic GPU, the default GPU lowering of `pallas_call`, has no rule
+        for `dot_general` or minor-axis reductions (jax 0.10), and the Triton lowering is deprecated.
+    """
+    if interpret:
+        return
+    platform = jax.default_backend()
+    if platform == "cpu":
+        raise ValueError(f"{where}: implementation='pallas' runs on CPU only with interpret=True")
+    if platform != "tpu":
+        raise NotImplementedError(
+            f"{where}: the Pallas kernels compile for TPU only (platform here: {platform!r}); Mosaic GPU cannot "
+            "lower their dot_general and row reductions. Use implementation='xla' (or interpret=True to check).")
+
+
+def compiler_params(dimension_semantics: tuple[str, ...], vmem_bytes: int | None = None) -> Any:
+    """Mosaic TPU compiler params for a kernel whose grid axes are 'parallel' or 'arbitrary' (sequential).
+
+    Args:
+      dimension_semantics: one entry per grid axis; 'arbitrary' marks axes along which an output block is
+        revisited (reductions), which must run in order on one core.
+      vmem_bytes: estimated VMEM footprint of the blocks; a limit above the default is requested when larger.
+
+    Returns:
+      `pltpu.CompilerParams` when JAX's default backend is a TPU, else None (the interpreter needs none).
+    """
+    if jax.default_backend() != "tpu":
+        return None
+    limit = None
+    if vmem_bytes is not None and vmem_bytes > _DEFAULT_VMEM_BYTES:
+        limit = int(vmem_bytes * 1.25) + (4 << 20)
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=limit)
