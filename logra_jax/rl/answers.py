@@ -1,0 +1,316 @@
+"""Reading answers out of model text: final-answer extraction, numeric normalisation, arithmetic expressions.
+
+Model text is parsed, never evaluated: every function here is a small hand-written scanner or parser whose
+running time is linear in the (capped) input length, so adversarial text cannot execute code, recurse without
+bound, or trigger regex backtracking.
+
+Final answer: the content of the last `\\boxed{...}` (braces balanced, nesting allowed) or the rest of the line
+after the last `####`, whichever marker comes last in the text.
+
+Numbers are compared exactly as fractions: "1,234" = "1234", "0.5" = "1/2" = "\\frac{1}{2}", "$18" = "18 dollars"
+= "18\\text{ dollars}", "50\\%" = "50"; anything not numeric is compared as normalised text.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+# Longest text scanned; model responses longer than this are cut from the front (the answer comes last).
+MAX_TEXT_CHARS = 20_000
+# Longest answer string considered numeric; longer ones are compared as text.
+MAX_NUMBER_CHARS = 64
+# Expression limits for countdown answers (tokens and parenthesis depth).
+MAX_EXPRESSION_TOKENS = 128
+MAX_EXPRESSION_DEPTH = 32
+
+_BOXED = ("\\boxed", "\\fbox")
+_HASH = "####"
+
+_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
+_UNIT = re.compile(r"[A-Za-z][A-Za-z .]*")
+_FRAC = re.compile(r"([+-]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_FRAC_SHORT = re.compile(r"([+-]?)\\[dt]?frac(\d)(\d)")
+_TEXT_MACRO = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\{([^{}]*)\}")
+_LHS = re.compile(r"[A-Za-z]\w{0,15}\s*=")
+_NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$", "\\%", "$", "%", "^\\circ", "^{\\circ}",
+          "°", "\\displaystyle")
+
+
+def _tail(text: str) -> str:
+    return text[-MAX_TEXT_CHARS:]
+
+
+def _last_boxed(text: str) -> tuple[int, str | None]:
+    """(start index, content) of the last boxed macro; content None when it is unbalanced or empty of a group.
+
+    Only the last occurrence counts (an earlier box is never the final answer), which keeps the scan linear.
+    """
+    start = max(text.rfind(macro) for macro in _BOXED)
+    if start < 0:
+        return -1, None
+    macro = next(m for m in _BOXED if text.startswith(m, start))
+    return start, _braced_after(text, start + len(macro))
+
+
+def _braced_after(text: str, i: int) -> str | None:
+    """Content of the `{...}` group starting at text[i] (after optional spaces); None if absent or unbalanced.
+
+    A macro followed by a space and a bare token (`\\boxed 5`) yields that token.
+    """
+    n = len(text)
+    j = i
+    while j < n and text[j] == " ":
+        j += 1
+    if j >= n:
+        return None
+    if text[j] != "{":
+        if j == i:
+            return None
+        k = j
+        while k < n and not text[k].isspace() and text[k] not in "$}":
+            k += 1
+        return text[j:k] or None
+    depth = 0
+    for k in range(j, n):
+        c = text[k]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[j + 1:k]
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced, possibly nested braces.
+
+    Example:
+      >>> extract_boxed(r"so \\boxed{\\frac{1}{2}} and")
+      '\\\\frac{1}{2}'
+    """
+    return _last_boxed(_tail(text))[1]
+
+
+def extract_hash_answer(text: str) -> str | None:
+    """The rest of the line after the last `####` (GSM8K convention), stripped; None if absent or empty.
+
+    Example:
+      >>> extract_hash_answer("48 + 24 = 72\\n#### 72")
+      '72'
+    """
+    text = _tail(text)
+    i = text.rfind(_HASH)
+    if i < 0:
+        return None
+    line = text[i + len(_HASH):].split("\n", 1)[0].strip()
+    return line or None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: whichever of the last `\\boxed{}` and the last `####` comes later in the text.
+
+    Returns None when the text has neither marker (or only unbalanced ones).
+
+    Example:
+      >>> extract_answer(r"#### 3 ... actually \\boxed{4}")
+      '4'
+    """
+    text = _tail(text)
+    box_at, boxed = _last_boxed(text)
+    hash_at = text.rfind(_HASH)
+    if hash_at > box_at:
+        hashed = extract_hash_answer(text)
+        if hashed is not None:
+            return hashed
+    return boxed
+
+
+def _strip_noise(s: str) -> str:
+    s = s.strip().replace("−", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _TEXT_MACRO.sub(r" \1", s)
+    for token in _NOISE:
+        s = s.replace(token, "")
+    s = s.strip()
+    m = _LHS.match(s)
+    if m:
+        s = s[m.end():]
+    return s.strip().rstrip(".").strip()
+
+
+def _plain_number(s: str) -> Fraction | None:
+    """A decimal or thousands-separated integer, optionally followed by a unit word ("18 dollars")."""
+    m = _NUMBER.match(s)
+    if m is None:
+        return None
+    rest = s[m.end():].strip()
+    if rest and _UNIT.fullmatch(rest) is None:
+        return None
+    return Fraction(m.group(0).replace(",", ""))
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of a numeric answer, or None if the text is not a number.
+
+    Accepts: integers and decimals with an optional sign (ASCII or Unicode minus), thousands commas (groups of
+    exactly three digits, so "1,2" is not a number), `a/b`, `\\frac{a}{b}` (also \\dfrac, \\tfrac, \\frac12),
+    currency and percent signs, degrees, `\\text{unit}` and trailing unit words, and a leading `x =`.
+
+    Example:
+      >>> parse_number("$1,234.50 dollars")
+      Fraction(2469, 2)
+      >>> parse_number(r"-\\frac{3}{4}") == parse_number("-0.75")
+      True
+    """
+    if len(text) > MAX_NUMBER_CHARS:
+        return None
+    s = _strip_noise(text)
+    for pattern in (_FRAC, _FRAC_SHORT):
+        m = pattern.fullmatch(s)
+        if m:
+            num, den = _plain_number(m.group(2).strip()), _plain_number(m.group(3).strip())
+            if num is None or den is None or den == 0:
+                return None
+            return -num / den if m.group(1) == "-" else num / den
+    if s.count("/") == 1:
+        left, right = s.split("/")
+        if _NUMBER.fullmatch(left.strip()) is None:
+            return None
+        num, den = _plain_number(left.strip()), _plain_number(right.strip())
+        if num is None or den is None or den == 0:
+            return None
+        return num / den
+    return _plain_number(s)
+
+
+def normalize_answer(text: str) -> str:
+    """Canonical form of an answer: the reduced fraction for numbers ("3/4", "-2"), else de-noised text.
+
+    Text normalisation drops spaces and LaTeX spacing/sizing macros, `$`, `\\text{}` wrappers and a trailing
+    period, and unifies `\\dfrac`/`\\tfrac` to `\\frac`.
+
+    Example:
+      >>> normalize_answer("0.750"), normalize_answer(r"\\left( 1, 2 \\right)")
+      ('3/4', '(1,2)')
+    """
+    value = parse_number(text)
+    if value is not None:
+        return str(value)
+    return "".join(_strip_noise(text[:MAX_TEXT_CHARS]).split())
+
+
+def answers_match(predicted: str | None, reference: str) -> bool:
+    """True iff `predicted` equals `reference` as numbers (exactly) or, when either is not numeric, as
+    normalised text. A missing prediction (None or blank) never matches.
+
+    Example:
+      >>> answers_match("1,000", "1000.0"), answers_match("\\\\frac{1}{2}", "0.5"), answers_match(None, "1")
+      (True, True, False)
+    """
+    if predicted is None or not predicted.strip():
+        return False
+    a, b = parse_number(predicted), parse_number(reference)
+    if a is not None and b is not None:
+        return a == b
+    return normalize_answer(predicted) == normalize_answer(reference)
+
+
+_OPS = {"+": "+", "-": "-", "*": "*", "/": "/", "×": "*", "÷": "/", "x": "*", "(": "(", ")": ")"}
+
+
+def _tokenize(expr: str) -> list[str | int] | None:
+    tokens: list[str | int] = []
+    i, n = 0, len(expr)
+    while i < n:
+        c = expr[i]
+        if c.isspace():
+            i += 1
+        elif "0" <= c <= "9":
+            j = i
+            while j < n and "0" <= expr[j] <= "9":
+                j += 1
+            if j - i > 9:
+                return None
+            tokens.append(int(expr[i:j]))
+            i = j
+        elif c in _OPS:
+            tokens.append(_OPS[c])
+            i += 1
+        else:
+            return None
+        if len(tokens) > MAX_EXPRESSION_TOKENS:
+            return None
+    return tokens
+
+
+class _ExpressionParser:
+    """Recursive descent over expr := term (('+'|'-') term)*; term := atom (('*'|'/') atom)*;
+    atom := integer | '(' expr ')'. No unary operators: every number must appear exactly as given."""
+
+    def __init__(self, tokens: list[str | int]):
+        self.tokens, self.i, self.literals = tokens, 0, []
+
+    def _peek(self) -> str | int | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def expr(self, depth: int) -> Fraction:
+        value = self.term(depth)
+        while self._peek() in ("+", "-"):
+            op = self.tokens[self.i]
+            self.i += 1
+            rhs = self.term(depth)
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    def term(self, depth: int) -> Fraction:
+        value = self.atom(depth)
+        while self._peek() in ("*", "/"):
+            op = self.tokens[self.i]
+            self.i += 1
+            rhs = self.atom(depth)
+            if op == "/" and rhs == 0:
+                raise ValueError("division by zero")
+            value = value * rhs if op == "*" else value / rhs
+        return value
+
+    def atom(self, depth: int) -> Fraction:
+        tok = self._peek()
+        self.i += 1
+        if isinstance(tok, int):
+            self.literals.append(tok)
+            return Fraction(tok)
+        if tok == "(" and depth < MAX_EXPRESSION_DEPTH:
+            value = self.expr(depth + 1)
+            if self._peek() != ")":
+                raise ValueError("unbalanced parenthesis")
+            self.i += 1
+            return value
+        raise ValueError(f"unexpected token {tok!r}")
+
+
+def parse_expression(text: str) -> tuple[Fraction, tuple[int, ...]] | None:
+    """Value and integer literals of an arithmetic expression over + - * / × ÷ and parentheses.
+
+    A trailing `= <anything>` is ignored (the claimed result is not trusted). Returns None for anything
+    else: unknown characters, unary signs, division by zero, over-long numbers or expressions, or nesting deeper
+    than MAX_EXPRESSION_DEPTH. Arithmetic is exact (fractions).
+
+    Example:
+      >>> parse_expression("(6 - 2) * 25 / 4 = 25")
+      (Fraction(25, 1), (6, 2, 25, 4))
+    """
+    if len(text) > 4 * MAX_EXPRESSION_TOKENS:
+        return None
+    expr = text.split("=", 1)[0]
+    tokens = _tokenize(expr)
+    if not tokens:
+        return None
+    parser = _ExpressionParser(tokens)
+    try:
+        value = parser.expr(0)
+    except ValueError:
+        return None
+    if parser.i != len(tokens):
+        return None
+    return value, tuple(parser.literals)

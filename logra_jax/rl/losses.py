@@ -1,0 +1,242 @@
+"""Policy-gradient losses as pure per-token functions, plus their masked aggregation.
+
+Notation per response token t: log π_θ (trainer, differentiated), log π_old (trainer at rollout parameters),
+log μ (the rollout engine's log-prob of the sampled token), log π_ref (reference policy), advantage A, mask m.
+  ratio            r = exp(log π_θ − log π_old)
+  PPO-clip         ℓ = max(−A r, −A clip(r, 1 − ε_low, 1 + ε_high))                (ε_high > ε_low: clip-higher)
+  dual clip (c>1)  ℓ ← min(ℓ, −c A)  where A < 0
+  REINFORCE        ℓ = −A log π_θ
+  TIS              w = sg(min(exp(log π_old − log μ), C))  multiplies ℓ              (paper: C = 2)
+  reference KL     δ = log π_θ − log π_ref;  k1 = δ,  k2 = ½ δ²,  k3 = exp(−δ) + δ − 1;  clamped to [−κ, κ]
+  total            L = agg(m, w ℓ + β k)
+Aggregations over a batch [B, T]:
+  token_mean                Σ m ℓ / Σ m
+  seq_mean                  mean over sequences with Σ_t m > 0 of (Σ_t m ℓ / Σ_t m)
+  seq_mean_token_sum_norm   Σ m ℓ / (B · T_max)          (Dr. GRPO: a constant, no length bias; T_max fixed)
+Masked entries never contribute values or gradients, whatever their inputs (they are replaced before use).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+KLEstimator = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+
+
+def _per_token(advantages: jax.Array, like: jax.Array) -> jax.Array:
+    """Advantages [B] (one per sequence) or [B, T] (per token), broadcast to [B, T] float32."""
+    advantages = jnp.asarray(advantages, jnp.float32)
+    if advantages.ndim == 1:
+        advantages = advantages[:, None]
+    return jnp.broadcast_to(advantages, like.shape)
+
+
+def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *,
+                  eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> jax.Array:
+    """Per-token PPO-clip loss ℓ [B, T] with asymmetric clipping and optional dual clip (0 where mask is 0).
+
+      r = exp(log π_θ − log π_old);  ℓ = max(−A r, −A clip(r, 1 − ε_low, 1 + ε_high));  A < 0: ℓ ← min(ℓ, −c A)
+
+    Example:
+      >>> lp = jnp.log(jnp.array([[1.5]]))
+      >>> ppo_clip_loss(lp, jnp.zeros((1, 1)), jnp.array([1.0]), jnp.ones((1, 1)), eps_high=0.28)
+      Array([[-1.28]], dtype=float32)
+    """
+    if not (0 <= eps_low < 1 and eps_high >= 0):
+        raise ValueError(f"ppo_clip_loss: need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"ppo_clip_loss: dual_clip must be > 1 (or None), got {dual_clip!r}")
+    mask = mask.astype(bool)
+    adv = _per_token(advantages, logp)
+    log_ratio = jnp.where(mask, logp.astype(jnp.float32) - old_logp.astype(jnp.float32), 0.0)
+    ratio = jnp.exp(log_ratio)
+    loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    if dual_clip is not None:
+        loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip * adv), loss)
+    return jnp.where(mask, loss, 0.0)
+
+
+def reinforce_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array) -> jax.Array:
+    """Per-token REINFORCE loss ℓ = −A log π_θ [B, T] (0 where mask is 0).
+
+    Example:
+      >>> reinforce_loss(jnp.array([[-0.5, -1.0]]), jnp.array([2.0]), jnp.array([[1, 0]]))
+      Array([[1., 0.]], dtype=float32)
+    """
+    mask = mask.astype(bool)
+    adv = _per_token(advantages, logp)
+    return jnp.where(mask, -adv * jnp.where(mask, logp.astype(jnp.float32), 0.0), 0.0)
+
+
+def truncated_is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *,
+                         cap: float = 2.0) -> jax.Array:
+    """Truncated importance weights w = sg(min(π_old / μ, C)) [B, T] correcting rollout/trainer mismatch
+    (0 where mask is 0; no gradient flows through them).
+
+    Example:
+      >>> truncated_is_weights(jnp.log(jnp.array([[0.5, 0.9]])), jnp.log(jnp.array([[0.4, 0.3]])), jnp.ones((1, 2)))
+      Array([[1.25, 2.  ]], dtype=float32)
+    """
+    if not cap > 0:
+        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap!r}")
+    mask = mask.astype(bool)
+    log_w = jnp.where(mask, old_logp.astype(jnp.float32) - rollout_logp.astype(jnp.float32), 0.0)
+    w = jnp.minimum(jnp.exp(jnp.minimum(log_w, jnp.log(cap))), cap)
+    return jax.lax.stop_gradient(jnp.where(mask, w, 0.0))
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, *, estimator: str = "k3",
+               clamp: float | None = 10.0) -> jax.Array:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from sampled tokens [B, T], clamped to [−clamp, clamp].
+
+    With δ = log π_θ − log π_ref:  k1 = δ,  k2 = ½ δ²,  k3 = exp(−δ) + δ − 1  (unbiased, ≥ 0, low variance).
+
+    Example:
+      >>> kl_penalty(jnp.array([[0.0]]), jnp.array([[-1.0]]), jnp.ones((1, 1)), estimator="k2")
+      Array([[0.5]], dtype=float32)
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_penalty: unknown estimator {estimator!r}; known: {KL_ESTIMATORS}")
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"kl_penalty: clamp must be > 0 or None, got {clamp!r}")
+    mask = mask.astype(bool)
+    delta = jnp.where(mask, logp.astype(jnp.float32) - ref_logp.astype(jnp.float32), 0.0)
+    if estimator == "k1":
+        kl = delta
+    elif estimator == "k2":
+        kl = 0.5 * delta**2
+    else:
+        # exp(−δ) overflows for very negative δ long before the clamp applies; bound δ first (same result there).
+        bounded = delta if clamp is None else jnp.maximum(delta, -jnp.log1p(clamp) - 1.0)
+        kl = jnp.exp(-bounded) + bounded - 1.0
+    if clamp is not None:
+        kl = jnp.clip(kl, -clamp, clamp)
+    return jnp.where(mask, kl, 0.0)
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, mode: str = "token_mean", *,
+              max_len: int | None = None) -> jax.Array:
+    """Reduce a per-token quantity [B, T] to a scalar (see the module docstring for the three modes).
+
+    Args:
+      per_token: [B, T] values.
+      mask: [B, T] 1 at response tokens.
+      mode: "token_mean", "seq_mean" or "seq_mean_token_sum_norm".
+      max_len: T_max of seq_mean_token_sum_norm (default T); keep it fixed across steps.
+
+    Returns:
+      A float32 scalar; 0 when the mask is empty.
+
+    Example:
+      >>> x, m = jnp.array([[1.0, 3.0], [5.0, 0.0]]), jnp.array([[1, 1], [1, 0]])
+      >>> aggregate(x, m, "token_mean"), aggregate(x, m, "seq_mean"), aggregate(x, m, "seq_mean_token_sum_norm")
+      (Array(3., dtype=float32), Array(3.5, dtype=float32), Array(2.25, dtype=float32))
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregate: unknown mode {mode!r}; known: {AGGREGATIONS}")
+    if per_token.ndim != 2 or mask.shape != per_token.shape:
+        raise ValueError(f"aggregate: need per_token and mask [B, T] of one shape, got {per_token.shape}, {mask.shape}")
+    m = mask.astype(jnp.float32)
+    values = jnp.where(mask.astype(bool), per_token.astype(jnp.float32), 0.0)
+    if mode == "token_mean":
+        return values.sum() / jnp.maximum(m.sum(), 1.0)
+    if mode == "seq_mean":
+        counts = m.sum(axis=1)
+        per_seq = values.sum(axis=1) / jnp.maximum(counts, 1.0)
+        return per_seq.sum() / jnp.maximum((counts > 0).sum(), 1)
+    if max_len is None:
+        max_len = per_token.shape[1]
+    if max_len < 1:
+        raise ValueError(f"aggregate: max_len must be >= 1, got {max_len}")
+    return values.sum() / (per_token.shape[0] * max_len)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LossConfig:
+    """The policy loss L = agg(m, w ℓ + β k).
+
+    Attributes:
+      policy: "ppo" (clipped ratio against old_logp) or "reinforce" (−A log π_θ).
+      eps_low, eps_high: PPO clip range [1 − eps_low, 1 + eps_high].
+      dual_clip: c > 1 for dual-clip PPO, None for off.
+      tis_cap: cap C of the truncated importance weights; None disables TIS.
+      kl_beta: β of the reference-KL penalty (0 disables it).
+      kl_estimator: "k1", "k2" or "k3"; kl_clamp: κ (None: no clamp).
+      aggregation: "token_mean", "seq_mean" or "seq_mean_token_sum_norm"; max_len: its T_max.
+    """
+
+    policy: Literal["ppo", "reinforce"] = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    tis_cap: float | None = 2.0
+    kl_beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_clamp: float | None = 10.0
+    aggregation: str = "token_mean"
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("ppo", "reinforce"):
+            raise ValueError(f"LossConfig.policy must be 'ppo' or 'reinforce', got {self.policy!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"LossConfig.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_beta < 0:
+            raise ValueError(f"LossConfig.kl_beta must be >= 0, got {self.kl_beta!r}")
+
+
+def policy_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, config: LossConfig,
+                old_logp: jax.Array | None = None, rollout_logp: jax.Array | None = None,
+                ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """L = agg(m, w ℓ + β k) and token-mean diagnostics.
+
+    Args:
+      logp: [B, T] log π_θ of the response tokens (differentiated).
+      advantages: [B] or [B, T].
+      mask: [B, T] response mask.
+      config: the loss settings.
+      old_logp: log π_old; default sg(logp) (one update per batch: r = 1, gradient −A ∇log π_θ).
+      rollout_logp: log μ from the rollout engine; required when config.tis_cap is set.
+      ref_logp: log π_ref; required when config.kl_beta > 0.
+
+    Returns:
+      (loss scalar, metrics): pg_loss, kl, clip_fraction (tokens whose ratio left the clip range), tis_weight
+      (mean weight) — all token means.
+
+    Raises:
+      ValueError: when an input the config needs is missing.
+    """
+    if config.tis_cap is not None and rollout_logp is None:
+        raise ValueError("policy_loss: rollout_logp is required when LossConfig.tis_cap is set")
+    if config.kl_beta > 0 and ref_logp is None:
+        raise ValueError("policy_loss: ref_logp is required when LossConfig.kl_beta > 0")
+    old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
+    if config.policy == "ppo":
+        per_token = ppo_clip_loss(logp, old, advantages, mask, eps_low=config.eps_low, eps_high=config.eps_high,
+                                  dual_clip=config.dual_clip)
+    else:
+        per_token = reinforce_loss(logp, advantages, mask)
+    metrics: dict[str, jax.Array] = {}
+    weights = jnp.ones_like(per_token)
+    if config.tis_cap is not None:
+        weights = truncated_is_weights(old, rollout_logp, mask, cap=config.tis_cap)
+        metrics["tis_weight"] = aggregate(weights, mask)
+    total = weights * per_token
+    metrics["pg_loss"] = aggregate(total, mask, config.aggregation, max_len=config.max_len)
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, mask, estimator=config.kl_estimator, clamp=config.kl_clamp)
+        metrics["kl"] = aggregate(kl, mask)
+        total = total + config.kl_beta * kl
+    ratio = jnp.exp(jnp.where(mask.astype(bool), logp - old, 0.0))
+    clipped = (ratio < 1.0 - config.eps_low) | (ratio > 1.0 + config.eps_high)
+    metrics["clip_fraction"] = aggregate(clipped.astype(jnp.float32), mask)
+    return aggregate(total, mask, config.aggregation, max_len=config.max_len), jax.lax.stop_gradient(metrics)

@@ -1,0 +1,191 @@
+"""Sampler against a full teacher-forced forward of the same model: greedy = argmax, log-probs = log-softmax,
+EOS and masks, padding, seeding, top-k/top-p exclusion, and no recompilation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from logra_jax.models.config import preset
+from logra_jax.models.decoder import init_model
+from logra_jax.rl.sampler import Sampler, SamplingConfig, filter_logits, generate, sample_tokens
+
+P = 5
+PROMPTS = np.array([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13], [0, 0, 0, 40, 41]], np.int32)
+MASK = PROMPTS != 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    # Untied head and weights 4x the init scale: sharper, more varied next-token distributions than the
+    # 0.02-std tied init (which mostly repeats its input), so argmax gaps dwarf float error and samples vary.
+    graphdef, state = nnx.split(init_model(preset("tiny", tie_embeddings=False), seed=1))
+    state = jax.tree.map(lambda x: 4.0 * x if x.ndim >= 2 else x, state)
+    return nnx.merge(graphdef, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, state, tokens, mask):
+    return nnx.merge(graphdef, state)(tokens, attention_mask=mask)
+
+
+def _step_logits(model, out):
+    """Logits that predicted each response token, from one full forward over [prompt | response]: [R, N, V]."""
+    graphdef, state = nnx.split(model)
+    logits = np.asarray(_full_logits(graphdef, state, out.tokens, out.attention_mask()), np.float64)
+    return logits[:, P - 1:-1]
+
+
+def _log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_greedy_equals_argmax_of_full_forward_and_padding_side_does_not_matter(model):
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=10, eos_id=1, pad_id=0, temperature=0.0))
+    out = sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(0))
+    assert out.tokens.shape == (3, P + 10) and out.logprobs.shape == (3, 10)
+    np.testing.assert_array_equal(out.tokens[:, :P], PROMPTS)  # already left-padded: unchanged
+    z = _step_logits(model, out)
+    response = np.asarray(out.tokens[:, P:])
+    valid = np.asarray(out.response_mask)
+    chosen = np.take_along_axis(z, response[..., None], -1)[..., 0]
+    # The sampled token is the argmax of the full forward (up to float ties far below the observed gaps).
+    assert np.all((chosen >= z.max(-1) - 1e-4)[valid])
+    np.testing.assert_allclose(np.asarray(out.logprobs)[valid],
+                               np.take_along_axis(_log_softmax(z), response[..., None], -1)[..., 0][valid],
+                               rtol=1e-4, atol=1e-4)
+    # The same prompts right-padded give the same rollout (the sampler re-packs to left padding).
+    right = np.array([np.concatenate([row[m], row[~m]]) for row, m in zip(PROMPTS, MASK)])
+    right_mask = right != 0
+    out_right = sampler(jnp.asarray(right), jnp.asarray(right_mask), jax.random.key(0))
+    np.testing.assert_array_equal(out_right.tokens, out.tokens)
+    np.testing.assert_allclose(out_right.logprobs, out.logprobs, atol=1e-5)
+
+
+def test_eos_ends_responses_with_masks_padding_and_lengths(model):
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=10, eos_id=1, pad_id=0, temperature=0.0))
+    greedy = np.asarray(sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(0)).tokens[:, P:])
+    assert 1 not in greedy
+    # Make EOS (token 1) the greedy choice exactly where token x was: its head column becomes x's, scaled by
+    # 1 + 1e-3 (the winning logit is positive), so every row stops at its first x. New parameters: no recompile.
+    cut = next(t for t in range(2, 10) if greedy[0, t] not in greedy[0, :t])
+    x = int(greedy[0, cut])
+    state = jax.tree.map(jnp.array, sampler.state)  # a copy: the sampler's own parameters stay untouched
+    head = state["lm_head"]["kernel"][...]
+    state["lm_head"]["kernel"] = state["lm_head"]["kernel"].replace(head.at[:, 1].set(head[:, x] * (1 + 1e-3)))
+    out = sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(0), state=state)
+    tokens, mask = np.asarray(out.tokens[:, P:]), np.asarray(out.response_mask)
+    for row in range(3):
+        hits = np.flatnonzero(greedy[row] == x)
+        length = int(hits[0]) + 1 if hits.size else 10
+        assert int(out.lengths[row]) == length
+        assert bool(out.finished[row]) == bool(hits.size)
+        np.testing.assert_array_equal(tokens[row, :length - 1], greedy[row, :length - 1])
+        assert tokens[row, length - 1] == (1 if hits.size else greedy[row, -1])
+        np.testing.assert_array_equal(tokens[row, length:], 0)
+        np.testing.assert_array_equal(mask[row], np.arange(10) < length)
+        np.testing.assert_array_equal(np.asarray(out.logprobs)[row, length:], 0.0)
+        assert (np.asarray(out.logprobs)[row, :length] < 0).all()
+    assert int(out.lengths[0]) == cut + 1 and bool(out.finished[0])
+    assert not bool(out.finished.all())  # a response cut at max_new_tokens is reported as unfinished
+
+
+def test_no_recompilation_across_parameters_prompts_and_keys(model):
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=10, eos_id=1, pad_id=0, temperature=0.0))
+    sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(0))
+    compiled = generate._cache_size()
+    new_state = jax.tree.map(lambda x: x * 1.01, sampler.state)
+    shuffled = jnp.asarray(PROMPTS[::-1].copy())
+    out = sampler(shuffled, shuffled != 0, jax.random.key(5), state=new_state)
+    sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(6))
+    assert generate._cache_size() == compiled
+    assert out.tokens.shape == (3, P + 10)
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    order = np.argsort(-probs, kind="stable")
+    sorted_probs = probs[order]
+    keep_sorted = np.cumsum(sorted_probs) - sorted_probs < top_p
+    keep = np.zeros(probs.shape, bool)
+    keep[order[keep_sorted]] = True
+    return keep
+
+
+def test_sampling_logprobs_seeds_layout_and_top_k_top_p_exclusion(model):
+    n, top_k, top_p, temperature = 16, 6, 0.7, 0.8
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=8, eos_id=1, pad_id=0, num_samples=n,
+                                            temperature=temperature, top_k=top_k, top_p=top_p))
+    out = sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(3))
+    assert out.tokens.shape == (3 * n, P + 8)
+    np.testing.assert_array_equal(out.tokens[:, :P], np.repeat(PROMPTS, n, axis=0))
+    np.testing.assert_array_equal(out.prompt_mask, np.repeat(MASK, n, axis=0))
+    z = _step_logits(model, out) / temperature
+    response = np.asarray(out.tokens[:, P:])
+    valid = np.asarray(out.response_mask)
+    # Log-probs are those of the tempered distribution before truncation.
+    expected = np.take_along_axis(_log_softmax(z), response[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[valid], expected[valid], rtol=1e-4, atol=1e-4)
+    # Every sampled token lies in the top-k, then top-p, set of the full forward's distribution at its step.
+    for r, t in zip(*np.nonzero(valid)):
+        logits = z[r, t]
+        in_top_k = logits >= np.sort(logits)[-top_k] - 1e-5
+        probs = np.where(in_top_k, np.exp(logits - logits.max()), 0.0)
+        allowed = in_top_k & _nucleus(probs / probs.sum(), top_p + 1e-5)
+        assert allowed[response[r, t]], (r, t)
+    assert len(set(response[:n, 0])) > 1  # the n samples of a prompt differ
+    again = sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(3))
+    np.testing.assert_array_equal(again.tokens, out.tokens)
+    np.testing.assert_array_equal(again.logprobs, out.logprobs)
+    other = sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(4))
+    assert (np.asarray(other.tokens) != np.asarray(out.tokens)).any()
+
+
+def test_filtered_sampling_matches_the_renormalised_distribution():
+    probs = np.array([0.30, 0.22, 0.18, 0.12, 0.08, 0.05, 0.03, 0.02])
+    logits = jnp.log(jnp.asarray(probs, jnp.float32))
+    rows = 20_000
+    for top_k, top_p, allowed in [(3, 1.0, [0, 1, 2]), (0, 0.6, [0, 1, 2]), (0, 0.5, [0, 1]), (5, 0.8, [0, 1, 2, 3]),
+                                  (0, 1.0, list(range(8)))]:
+        config = SamplingConfig(max_new_tokens=1, eos_id=0, pad_id=0, top_k=top_k, top_p=top_p)
+        tokens, logp = sample_tokens(jnp.broadcast_to(logits, (rows, 8)), jax.random.key(top_k * 10 + 7), config)
+        counts = np.bincount(np.asarray(tokens), minlength=8)
+        excluded = np.setdiff1d(np.arange(8), allowed)
+        assert counts[excluded].sum() == 0, (top_k, top_p, counts)
+        target = np.zeros(8)
+        target[allowed] = probs[allowed] / probs[allowed].sum()
+        # 5 standard deviations of a binomial frequency at 20k draws is < 0.017.
+        np.testing.assert_allclose(counts / rows, target, atol=0.017)
+        np.testing.assert_allclose(logp, np.log(probs)[np.asarray(tokens)], rtol=1e-5)
+
+
+def test_filter_logits_by_hand():
+    z = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    assert np.isinf(np.asarray(filter_logits(z, top_k=2))[0, 2:]).all()
+    np.testing.assert_array_equal(np.isfinite(filter_logits(z, top_p=0.8)), [[True, True, False, False]])
+    np.testing.assert_array_equal(np.isfinite(filter_logits(z, top_p=0.81)), [[True, True, True, False]])
+    np.testing.assert_array_equal(np.isfinite(filter_logits(z, top_p=0.1)), [[True, False, False, False]])
+    np.testing.assert_array_equal(filter_logits(z), z)
+
+
+def test_validation(model):
+    with pytest.raises(ValueError, match=r"SamplingConfig\.top_p"):
+        SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"SamplingConfig\.max_new_tokens"):
+        SamplingConfig(max_new_tokens=0, eos_id=1, pad_id=0)
+    with pytest.raises(ValueError, match=r"SamplingConfig\.temperature"):
+        SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, temperature=-1.0)
+    with pytest.raises(ValueError, match="eos_id=500"):
+        Sampler(model, SamplingConfig(max_new_tokens=4, eos_id=500, pad_id=0))
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=510, eos_id=1, pad_id=0))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(0))
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0))
+    with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
+        sampler(jnp.asarray(PROMPTS), jnp.asarray(np.array([MASK[0], np.zeros(P, bool), MASK[2]])),
+                jax.random.key(0))
+    with pytest.raises(ValueError, match="same shape"):
+        sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK[:, 1:]), jax.random.key(0))
