@@ -1,0 +1,450 @@
+"""Hugging Face checkpoints: config.json ↔ ModelConfig and safetensors ↔ the stacked decoder parameters.
+
+Loading never holds two full copies of the weights: safetensors files are memory-mapped (pages come from the
+file, not the heap), each parameter leaf [L, ...] is filled layer slice by layer slice into one float32 buffer,
+placed on its device, and dropped before the next leaf starts: the host overhead is one leaf, not one model.
+Export streams the other way, one leaf at a time from the device into the file.
+
+The safetensors format (8-byte little-endian header length, JSON header, raw little-endian data) is read and
+written here directly rather than through the `safetensors` package, whose numpy API has no bfloat16 (the dtype
+of most released checkpoints) and whose writer needs every tensor in host memory at once.
+
+Layout: a Hugging Face Linear weight is [out, in]; our kernel is [in, out], so every projection is transposed.
+Rotary embeddings use the rotate-half convention; a model held in the interleaved convention
+(`rope_interleaved=True`, e.g. GGUF weights kept as llama.cpp wrote them) gets its q/k rows reordered on export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.decoder import Decoder, abstract_model
+from logra_jax.models.tokenizer import Tokenizer
+
+# config.json "architectures" entry → ModelConfig.architecture (Qwen2 = Llama with q/k/v bias).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# Fields a caller may change at load time: numerics and memory, never shapes (those belong to the checkpoint).
+RUNTIME_FIELDS = ("dtype", "remat", "attention_impl", "attention_chunk", "max_seq_len")
+
+# ModelConfig field → the config.json field it comes from, where the names differ (for error messages).
+_HF_FIELDS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+              "num_kv_heads": "num_key_value_heads", "max_seq_len": "max_position_embeddings",
+              "rope_scaling_factor": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+              "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+              "rope_original_max_position": "rope_scaling.original_max_position_embeddings"}
+_ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
+              "F64": np.dtype("<f8")}
+
+
+def rope_rows_to_interleaved(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Reorder the rows of a q/k weight [H·hd, ...] (or bias) from rotate-half to interleaved RoPE order.
+
+    Per head, row j·hd/2 + i (pair (i, i + hd/2) rotated by frequency i) moves to row 2i + j (pair (2i, 2i + 1));
+    this is llama.cpp's converter permutation. q·k is unchanged when both sides are reordered alike.
+    """
+    hd = w.shape[0] // num_heads
+    return w.reshape(num_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_rows_to_half(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of `rope_rows_to_interleaved`: interleaved RoPE row order → rotate-half order."""
+    hd = w.shape[0] // num_heads
+    return w.reshape(num_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensor_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
+    """(parameter path, Hugging Face tensor name with "{i}" for the layer, transposed?) for every leaf."""
+    layer = "model.layers.{i}."
+    rows = [("embed.embedding", "model.embed_tokens.weight", False),
+            ("blocks.attn_norm.scale", layer + "input_layernorm.weight", False),
+            ("blocks.mlp_norm.scale", layer + "post_attention_layernorm.weight", False),
+            ("final_norm.scale", "model.norm.weight", False)]
+    rows += [(f"blocks.attn.{p}_proj.kernel", f"{layer}self_attn.{p}_proj.weight", True) for p in "qkvo"]
+    if config.qkv_bias:
+        rows += [(f"blocks.attn.{p}_proj.bias", f"{layer}self_attn.{p}_proj.bias", False) for p in "qkv"]
+    rows += [(f"blocks.mlp.{p}_proj.kernel", f"{layer}mlp.{p}_proj.weight", True) for p in ("gate", "up", "down")]
+    if not config.tie_embeddings:
+        rows.append(("lm_head.kernel", "lm_head.weight", True))
+    return rows
+
+
+def rope_heads(name: str, config: ModelConfig) -> int | None:
+    """Heads whose rows the RoPE convention orders, for a q/k weight or bias name; None for other tensors."""
+    if ".self_attn.q_proj." in name:
+        return config.num_heads
+    if ".self_attn.k_proj." in name:
+        return config.num_kv_heads
+    return None
+
+
+def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, source: str,
+                shardings: Mapping[str, jax.sharding.Sharding] | None = None) -> tuple[Decoder, set[str]]:
+    """A decoder whose parameters come from `read(hf_name)` (an array in Hugging Face layout), leaf by leaf.
+
+    Each leaf fills one float32 buffer, goes to its device (`shardings[path]`, else the default device) and is
+    released before the next; `read` should return lazy views or one tensor's worth of fresh memory. q/k rows
+    are reordered to the interleaved convention when config.rope_interleaved.
+
+    Returns:
+      (model, names read) so the caller can reject tensors the checkpoint has but the model does not use.
+
+    Raises:
+      ValueError: a tensor's shape differs from the one the config implies (tensor, expected, found named).
+    """
+    graphdef, state = nnx.split(abstract_model(config))
+    table = {path: (name, transpose) for path, name, transpose in hf_tensor_names(config)}
+    used: set[str] = set()
+
+    def fetch(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        w = read(name)
+        expected = shape[::-1] if transpose else shape
+        if tuple(w.shape) != expected:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(w.shape)}, expected {expected} "
+                             "from the model config")
+        heads = rope_heads(name, config)
+        if config.rope_interleaved and heads is not None:
+            w = rope_rows_to_interleaved(w, heads)
+        used.add(name)
+        return w.T if transpose else w
+
+    for path_tuple, variable in nnx.to_flat_state(state):
+        path = ".".join(map(str, path_tuple))
+        name, transpose = table[path]
+        shape = tuple(variable.get_value().shape)
+        buffer = np.empty(shape, np.float32)
+        if "{i}" in name:
+            for i in range(config.num_layers):
+                buffer[i] = fetch(name.format(i=i), shape[1:], transpose)
+        else:
+            buffer[...] = fetch(name, shape, transpose)
+        sharding = None if shardings is None else shardings.get(path)
+        # Wait for the transfer: an asynchronous device_put keeps its host buffer alive, and without the wait
+        # every leaf's buffer could be in flight at once — a second full copy of the model.
+        variable.set_value(jax.device_put(buffer, sharding).block_until_ready())
+        del buffer
+    return nnx.merge(graphdef, state), used
+
+
+def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **overrides: Any) -> ModelConfig:
+    """ModelConfig from a parsed config.json (Llama or Qwen2; transformers 4.x or 5.x rope fields), with runtime
+    `overrides` (`RUNTIME_FIELDS`) applied; `source` names the file in error messages.
+
+    Raises:
+      ValueError: unknown architecture, unsupported feature (activation, sliding window, o_proj bias, rope type),
+        missing or out-of-range field — the message names the file and the field.
+    """
+    archs = list(hf.get("architectures") or [])
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                         f"supported: {sorted(ARCHITECTURES)}")
+    architecture = ARCHITECTURES[archs[0]]
+    bad_overrides = sorted(set(overrides) - set(RUNTIME_FIELDS))
+    if bad_overrides:
+        raise ValueError(f"cannot override {bad_overrides} when loading {source}: only {RUNTIME_FIELDS}")
+
+    def field(name: str, default: Any = ...) -> Any:
+        if name not in hf or hf[name] is None:
+            if default is ...:
+                raise ValueError(f"{source}: missing field {name!r}")
+            return default
+        return hf[name]
+
+    if field("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    if field("mlp_bias", False):
+        raise ValueError(f"{source}: mlp_bias=true is not supported")
+    if architecture == "llama" and field("attention_bias", False):
+        raise ValueError(f"{source}: attention_bias=true (Llama o_proj bias) is not supported")
+    if architecture == "qwen2" and field("use_sliding_window", False):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported")
+    rope = dict(field("rope_parameters", None) or field("rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, linear, llama3)")
+    heads, hidden = field("num_attention_heads"), field("hidden_size")
+    default_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+    scaling: dict[str, Any] = {}
+    if rope_type != "default":
+        scaling = {"rope_scaling": rope_type, "rope_scaling_factor": rope.get("factor", 1.0)}
+    if rope_type == "llama3":
+        scaling.update(rope_low_freq_factor=rope.get("low_freq_factor", 1.0),
+                       rope_high_freq_factor=rope.get("high_freq_factor", 4.0),
+                       rope_original_max_position=rope.get("original_max_position_embeddings", 8192))
+    try:
+        config = ModelConfig(
+            architecture=architecture, vocab_size=field("vocab_size"), hidden_size=hidden,
+            intermediate_size=field("intermediate_size"), num_layers=field("num_hidden_layers"),
+            num_heads=heads, num_kv_heads=field("num_key_value_heads", heads),
+            head_dim=field("head_dim", default_head_dim),
+            rope_theta=rope.get("rope_theta", field("rope_theta", 10_000.0)),
+            rms_norm_eps=field("rms_norm_eps", 1e-6), qkv_bias=architecture == "qwen2",
+            tie_embeddings=bool(field("tie_word_embeddings", False)),
+            max_seq_len=field("max_position_embeddings", 2048), **scaling)
+        return config.replace(**overrides) if overrides else config
+    except (ValueError, TypeError) as err:
+        renamed = [hf for ours, hf in _HF_FIELDS.items() if re.search(rf"\b{ours}\b", str(err))]
+        note = f" (config.json field{'s' * (len(renamed) > 1)} {', '.join(map(repr, renamed))})" if renamed else ""
+        raise ValueError(f"{source}: {err}{note}") from err
+
+
+def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """The Hugging Face config.json dict of `config` (rope fields in the form transformers 4.x and 5.x read).
+
+    Raises:
+      ValueError: the config has no Hugging Face equivalent (llama with q/k/v bias, qwen2 without).
+    """
+    if config.qkv_bias != (config.architecture == "qwen2"):
+        raise ValueError(f"export: architecture={config.architecture!r} with qkv_bias={config.qkv_bias} has no "
+                         "Hugging Face equivalent (Qwen2 has q/k/v bias, Llama has none)")
+    hf: dict[str, Any] = {
+        "architectures": [next(k for k, v in ARCHITECTURES.items() if v == config.architecture)],
+        "model_type": config.architecture, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": None,
+        "tie_word_embeddings": config.tie_embeddings, "torch_dtype": "float32"}
+    if config.rope_scaling is not None:
+        hf["rope_scaling"] = {"rope_type": config.rope_scaling, "factor": config.rope_scaling_factor}
+    if config.rope_scaling == "llama3":
+        hf["rope_scaling"].update(
+            low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
+            original_max_position_embeddings=config.rope_original_max_position)
+    if config.architecture == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    else:
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if tokenizer is not None:
+        hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    return hf
+
+
+class SafetensorsFile:
+    """One .safetensors file, memory-mapped; `get(name)` returns a view (bytes are read when touched).
+
+    Raises FileNotFoundError for a missing file and ValueError, naming the file and tensor, for a truncated
+    header or data section, a corrupt header, an unsupported dtype, or a byte range that does not fit the shape.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"safetensors file not found: {self.path}")
+        size = self.path.stat().st_size
+        with self.path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ValueError(f"{self.path}: truncated safetensors file ({size} bytes, no header length)")
+            header_len = int.from_bytes(prefix, "little")
+            if 8 + header_len > size:
+                raise ValueError(f"{self.path}: truncated safetensors header (declares {header_len} bytes, "
+                                 f"the file has {size - 8} after the length)")
+            try:
+                header = json.loads(f.read(header_len))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{self.path}: corrupt safetensors header ({err})") from err
+        header.pop("__metadata__", None)
+        data_len = size - 8 - header_len
+        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in header.items():
+            if entry["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}; "
+                                 f"supported: {sorted(_ST_DTYPES)}")
+            dtype, shape = _ST_DTYPES[entry["dtype"]], tuple(entry["shape"])
+            start, end = entry["data_offsets"]
+            if end > data_len:
+                raise ValueError(f"{self.path}: truncated: tensor {name!r} ends at data byte {end} but the file "
+                                 f"holds {data_len} data bytes")
+            if end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{self.path}: tensor {name!r} spans {end - start} bytes, but shape {shape} "
+                                 f"of {entry['dtype']} needs {math.prod(shape) * dtype.itemsize}")
+            self._entries[name] = (dtype, shape, start, end)
+        self._data = (np.memmap(self.path, np.uint8, mode="r", offset=8 + header_len, shape=(data_len,))
+                      if data_len else np.zeros(0, np.uint8))
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def get(self, name: str) -> np.ndarray:
+        dtype, shape, start, end = self._entries[name]
+        return self._data[start:end].view(dtype).reshape(shape)
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]) -> None:
+    """Write float32 tensors to `path`, calling each producer only when its bytes are due (streaming)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in tensors:
+        nbytes = math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format recommends 8-byte aligned data
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, shape, produce in tensors:
+            array = np.ascontiguousarray(produce(), dtype="<f4")
+            if array.shape != tuple(shape):
+                raise ValueError(f"write_safetensors: {name!r} produced shape {array.shape}, declared {shape}")
+            f.write(memoryview(array).cast("B"))
+
+
+def _open_checkpoint(directory: Path) -> dict[str, SafetensorsFile]:
+    """Tensor name → the file holding it, for model.safetensors or a sharded model.safetensors.index.json."""
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = {f: SafetensorsFile(directory / f) for f in sorted(set(weight_map.values()))}
+        for name, file in weight_map.items():
+            if name not in files[file].names():
+                raise ValueError(f"{index_path}: tensor {name!r} is mapped to {file}, which does not hold it")
+        return {name: files[file] for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
+    st = SafetensorsFile(single)
+    return dict.fromkeys(st.names(), st)
+
+
+def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+            **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
+    """Load a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM directory (config.json + safetensors).
+
+    The directory holds config.json, model.safetensors or model.safetensors.index.json (+ shards), and
+    optionally tokenizer.json / tokenizer_config.json. `shardings` maps a parameter path
+    ("blocks.attn.q_proj.kernel") to its Sharding (default device otherwise); `overrides` sets runtime config
+    fields (`RUNTIME_FIELDS`). Returns (model, tokenizer or None when the directory has none, config).
+
+    Raises:
+      FileNotFoundError: missing directory, config.json or weights file.
+      ValueError: bad config (see `config_from_hf`), truncated file, missing/unexpected tensor, shape mismatch.
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}" if directory.is_dir()
+                                else f"checkpoint directory not found: {directory}")
+    config = config_from_hf(json.loads(config_path.read_text()), source=str(config_path), **overrides)
+    files = _open_checkpoint(directory)
+
+    def read(name: str) -> np.ndarray:
+        if name not in files:
+            raise ValueError(f"{directory}: tensor {name!r} is missing from the checkpoint")
+        return files[name].get(name)
+
+    model, used = build_model(config, read, source=str(directory), shardings=shardings)
+    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    unexpected = sorted(n for n in set(files) - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"{directory}: tensors not used by a {config.architecture} model with this config.json: "
+                         f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    tokenizer = Tokenizer.from_directory(directory) if (directory / "tokenizer.json").is_file() else None
+    return model, tokenizer, config
+
+
+def _export_tensors(model: Decoder) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """(HF name, HF shape, producer) per tensor, in leaf order. Producers run in that order and share a one-leaf
+    host copy (one device→host transfer per leaf, at most one leaf on the host)."""
+    config = model.config
+    _, state = nnx.split(model)
+    leaves = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
+    host: dict[str, np.ndarray] = {}
+
+    def host_leaf(path: str) -> np.ndarray:
+        if path not in host:
+            host.clear()
+            host[path] = np.asarray(leaves[path])
+        return host[path]
+
+    for path, name, transpose in hf_tensor_names(config):
+        leaf = leaves[path]
+        for i in range(config.num_layers) if "{i}" in name else (None,):
+            tensor_name = name if i is None else name.format(i=i)
+
+            def produce(path=path, i=i, transpose=transpose, tensor_name=tensor_name) -> np.ndarray:
+                w = host_leaf(path) if i is None else host_leaf(path)[i]
+                w = w.T if transpose else w
+                heads = rope_heads(tensor_name, config)
+                return rope_rows_to_half(w, heads) if config.rope_interleaved and heads is not None else w
+
+            shape = tuple(leaf.shape if i is None else leaf.shape[1:])
+            yield tensor_name, shape[::-1] if transpose else shape, produce
+
+
+def export(model: Decoder, tokenizer: Tokenizer | None, directory: str | Path, *,
+           max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
+    """Write `model` (+ tokenizer) as a Hugging Face directory, atomically.
+
+    Writes config.json, float32 model.safetensors — or shards of at most `max_shard_bytes` (a bigger tensor
+    gets a file of its own) plus model.safetensors.index.json — and the tokenizer files when `tokenizer` is
+    given. All goes to a temporary sibling directory renamed into place at the end, so a crash never leaves a
+    half-written checkpoint; an existing non-empty `directory` is replaced only with overwrite=True. Tensors
+    stream from the device one leaf at a time; interleaved-RoPE models are written in the rotate-half order.
+    Returns the directory path.
+
+    Raises:
+      FileExistsError: `directory` exists, is not empty, and overwrite is False.
+      ValueError: the config has no Hugging Face equivalent, or max_shard_bytes <= 0.
+
+    Example:
+      >>> from logra_jax import models
+      >>> model, tok, _ = models.load("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+      >>> models.export(model, tok, "/tmp/smollm2-hf")                     # doctest: +SKIP
+    """
+    directory = Path(directory)
+    if max_shard_bytes <= 0:
+        raise ValueError(f"export: max_shard_bytes must be > 0, got {max_shard_bytes}")
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"export: {directory} exists and is not empty (pass overwrite=True)")
+    hf_config = config_to_hf(model.config, tokenizer)
+    tensors = list(_export_tensors(model))
+    shards, shard_bytes = [[]], 0
+    for tensor in tensors:
+        nbytes = math.prod(tensor[1]) * 4
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards, shard_bytes = [*shards, []], 0
+        shards[-1].append(tensor)
+        shard_bytes += nbytes
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        if len(shards) == 1:
+            write_safetensors(tmp / "model.safetensors", shards[0])
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards, 1):
+                file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                write_safetensors(tmp / file, shard)
+                weight_map.update(dict.fromkeys((name for name, _, _ in shard), file))
+            total = sum(math.prod(shape) * 4 for _, shape, _ in tensors)
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if directory.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+            directory.rename(old / directory.name)
+            tmp.rename(directory)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory

@@ -1,0 +1,119 @@
+"""Fixtures shared by the model tests: random-weight transformers checkpoints (the parity peer) and tolerances."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from logra_jax.models import init_model
+
+# Small shapes with grouped-query attention (4 query heads share 2 key/value heads).
+TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5)
+HF_CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    # transformers zero-initialises biases and sets norms to one: draw every tensor so each one matters.
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise)
+
+
+@pytest.fixture
+def hf_model():
+    """Factory: a random-weight transformers Llama/Qwen2 model in fp32 with eager attention."""
+
+    def make(arch: str, *, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+        config_cls, model_cls = HF_CLASSES[arch]
+        config = config_cls(**{**TINY_HF, **overrides}, attn_implementation="eager")
+        model = model_cls(config).eval()
+        _randomize(model, seed)
+        return model
+
+    return make
+
+
+@pytest.fixture
+def hf_logits():
+    """Logits of a transformers model, fp32 numpy; with a mask, positions count real tokens (as ours do)."""
+
+    def run(model: transformers.PreTrainedModel, tokens: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        kwargs = {}
+        if mask is not None:
+            kwargs = {"attention_mask": torch.tensor(mask, dtype=torch.long),
+                      "position_ids": torch.tensor(np.maximum(np.cumsum(mask, axis=1) - 1, 0))}
+        with torch.no_grad():
+            return model(torch.tensor(tokens, dtype=torch.long), **kwargs).logits.float().numpy()
+
+    return run
+
+
+@pytest.fixture
+def padded_batch():
+    """tokens [3, 20] and a mask: row 0 unpadded, row 1 left-padded by 5, row 2 right-padded by 6."""
+    tokens = np.random.default_rng(0).integers(0, TINY_HF["vocab_size"], (3, 20)).astype(np.int32)
+    mask = np.ones((3, 20), bool)
+    mask[1, :5] = False
+    mask[2, 14:] = False
+    return tokens, mask
+
+
+@pytest.fixture
+def max_rel_err():
+    """max |ours − ref| / max |ref| over the selected entries (per-entry ratios explode near zero)."""
+
+    def err(ours, ref, where=None) -> float:
+        ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+        if where is not None:
+            ours, ref = ours[where], ref[where]
+        return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+    return err
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _forward(state, tokens, mask, graphdef):
+    return nnx.merge(graphdef, state)(tokens, attention_mask=mask)
+
+
+@pytest.fixture(scope="session")
+def forward():
+    """Our logits as numpy, jitted once per model config (eager NNX would retrace the layer scan every call)."""
+
+    def run(model: nnx.Module, tokens: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        graphdef, state = nnx.split(model)
+        mask = np.ones(tokens.shape, bool) if mask is None else mask
+        return np.asarray(_forward(state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool), graphdef))
+
+    return run
+
+
+@pytest.fixture
+def random_model():
+    """Factory: init_model(config) with every parameter redrawn at a scale that makes logits O(1)
+    (the 0.02 init leaves them so small that any tolerance passes)."""
+    def make(config, seed: int = 0) -> nnx.Module:
+        model = init_model(config, seed=seed)
+        rng = np.random.default_rng(seed)
+        for path, variable in nnx.to_flat_state(nnx.state(model)):
+            shape = variable.get_value().shape
+            if path[-1] == "scale":
+                value = 1 + 0.1 * rng.standard_normal(shape)
+            else:
+                fan_in = shape[-2] if path[-1] == "kernel" else config.hidden_size
+                value = rng.standard_normal(shape) * (0.1 if path[-1] == "bias" else 1 / np.sqrt(fan_in))
+            variable.set_value(jnp.asarray(value, jnp.float32))
+        return model
+
+    return make
