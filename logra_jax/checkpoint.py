@@ -1,0 +1,400 @@
+"""Checkpoints of a training run with orbax: atomic, keep-N, exact resume, corruption found and named.
+
+One checkpoint per step, `<directory>/<step>/`, holding four orbax items:
+  state   the pytree of arrays (params, optimizer state, step, PRNG keys, ...), orbax StandardSave;
+  data    the data-iterator state (a JSON dict, e.g. a grain iterator's `get_state()`);
+  extra   any other JSON dict (config, seeds, numbers to carry over);
+  layout  our own record of every state leaf: path, shape, dtype, PRNG implementation and a fingerprint.
+Orbax writes each step into a temporary directory and renames it when complete, so an interrupted save never
+shows up as a step (and its leftover is removed when the next manager opens the directory); it keeps the `keep`
+newest steps.
+
+Orbax does not notice every corruption: a flipped byte inside an array chunk restores silently wrong numbers. So
+every saved leaf carries a fingerprint of its bits, computed on device and checked after restore:
+  words w_i = the leaf's bits as uint32 in row-major order (8/16-bit types zero-extended, 64-bit types split),
+  c_i = (i · 0x9E3779B1 + 0x7F4A7C15) | 1,   fingerprint = Σ_i c_i w_i  mod 2³².
+Every c_i is odd, hence invertible mod 2³²: a change of any single word always changes the fingerprint.
+
+Typed PRNG keys (`jax.random.key`) are stored as their key data (uint32) and re-wrapped with the implementation
+of the restore target; raw key data (`jax.random.key_data`) round-trips as any uint32 array.
+
+Example:
+  >>> import tempfile, jax, jax.numpy as jnp
+  >>> ckpt = CheckpointManager(tempfile.mkdtemp(), keep=2)
+  >>> tree = {"w": jnp.arange(4.0), "step": jnp.int32(7), "key": jax.random.key(0)}
+  >>> ckpt.save(7, tree, data_state={"next_index": 3}, extra={"seed": 0})
+  True
+  >>> restored, data_state, extra = ckpt.restore(abstract=jax.eval_shape(lambda: tree))
+  >>> int(restored["step"]), data_state, extra
+  (7, {'next_index': 3}, {'seed': 0})
+  >>> ckpt.close()
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax import lax
+
+LAYOUT_FORMAT = "logra_jax.checkpoint/1"
+_ITEMS = ("state", "data", "extra", "layout")
+_GOLDEN = 0x9E3779B1
+_OFFSET = 0x7F4A7C15
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is unreadable, corrupted, or does not fit the tree it is restored into."""
+
+
+def _is_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_impl(dtype: Any) -> str:
+    """The PRNG implementation name ("threefry2x32", "rbg", ...) of a typed-key dtype."""
+    names: list[str] = []
+    jax.eval_shape(lambda k: names.append(str(jax.random.key_impl(k))), jax.ShapeDtypeStruct((), dtype))
+    return names[0]
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of `x` as uint32 words (one per element; two per element for 64-bit types)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    bits = jnp.dtype(x.dtype).itemsize * 8
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) or bits not in (8, 16, 32, 64):
+        raise TypeError(f"checkpoint fingerprint: unsupported dtype {x.dtype}")
+    if bits < 32:
+        return lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def fingerprint(x: jax.Array) -> jax.Array:
+    """Position-weighted sum of the bits of `x`: Σ_i c_i w_i mod 2³² with odd c_i (see the module docstring).
+
+    Works on sharded arrays without gathering them (an iota per dimension gives the row-major word index).
+
+    Args:
+      x: an array of a boolean, integer or real floating dtype of 8, 16, 32 or 64 bits.
+
+    Returns:
+      A uint32 scalar.
+
+    Raises:
+      TypeError: complex or sub-byte dtypes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> int(fingerprint(jnp.array([1, 0], jnp.uint32)))  # c_0 = 0x7F4A7C15
+      2135587861
+    """
+    w = _words(x)
+    index = jnp.zeros(w.shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(w.ndim)):
+        index = index + lax.broadcasted_iota(jnp.uint32, w.shape, dim) * jnp.uint32(stride % 2**32)
+        stride *= w.shape[dim]
+    weights = (index * jnp.uint32(_GOLDEN) + jnp.uint32(_OFFSET)) | jnp.uint32(1)
+    return jnp.sum(w * weights, dtype=jnp.uint32)
+
+
+_fingerprints = jax.jit(lambda leaves: [fingerprint(x) for x in leaves])
+
+
+def _device_order(x: jax.Array) -> tuple[int, ...] | None:
+    """The devices a committed array lives on, in mesh order for a NamedSharding (None when uncommitted)."""
+    if not x.committed:
+        return None
+    mesh = getattr(x.sharding, "mesh", None)
+    if mesh is not None and hasattr(mesh, "devices"):
+        return tuple(int(d.id) for d in np.asarray(mesh.devices).flat)
+    return tuple(sorted(d.id for d in x.sharding.device_set))
+
+
+def _leaf_fingerprints(leaves: Sequence[jax.Array]) -> list[int]:
+    """Fingerprints of many leaves; one jitted call per device assignment (a jit cannot mix them)."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(_device_order(x), []).append(i)
+    result = [0] * len(leaves)
+    for indices in groups.values():
+        values = jax.device_get(_fingerprints([leaves[i] for i in indices]))
+        for i, value in zip(indices, values):
+            result[i] = int(value)
+    return result
+
+
+def _check_json(value: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"CheckpointManager.save: {name} must be a dict, got {type(value).__name__}")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"CheckpointManager.save: {name} is not JSON-serialisable: {e}") from e
+    return dict(value)
+
+
+def _abstract_leaf(leaf: Any, path: str) -> jax.ShapeDtypeStruct:
+    """A restore-target leaf as a ShapeDtypeStruct (with its sharding when it has one)."""
+    if isinstance(leaf, (bool, int, float, np.ndarray, np.generic)):  # as save stores them: jnp.asarray(leaf)
+        return jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        raise TypeError(f"CheckpointManager.restore: abstract leaf {path} must be an array or jax.ShapeDtypeStruct, "
+                        f"got {type(leaf).__name__}")
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+
+
+def _stored(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """What is on disk for a target leaf: typed PRNG keys as their uint32 key data, in the same sharding."""
+    if not _is_key(leaf.dtype):
+        return leaf
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=leaf.sharding)
+
+
+def _describe(leaf: Any) -> dict[str, Any]:
+    key = _is_key(leaf.dtype)
+    return {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "key_impl": _key_impl(leaf.dtype) if key else None}
+
+
+class CheckpointManager:
+    """Saves and restores (state pytree, data-iterator state, extra JSON) per step under `directory`.
+
+    Args:
+      directory: the run's checkpoint directory (created unless `create=False`); a local path or a URL that
+        etils.epath understands (gs://...). Multi-host runs need one directory that every host sees.
+      keep: number of newest checkpoints kept (None: all).
+      save_every: `save(step, ...)` writes when step % save_every == 0, when `force=True`, or when JAX reports a
+        preemption (multi-host runs with the preemption service); otherwise it returns False.
+      async_save: write in a background thread after copying the arrays to host (`wait_until_finished` joins it).
+      create: create `directory` when missing; with False a missing directory raises FileNotFoundError.
+
+    Raises:
+      ValueError: keep or save_every not a positive integer.
+      FileNotFoundError: `directory` is missing and create=False.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> with CheckpointManager(tempfile.mkdtemp(), keep=1, save_every=10) as ckpt:
+      ...     [ckpt.save(s, {"w": jnp.full(2, s)}) for s in (5, 10, 20)]
+      ...     ckpt.wait_until_finished()
+      ...     ckpt.all_steps()
+      [False, True, True]
+      [20]
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int | None = 3, save_every: int = 1,
+                 async_save: bool = True, create: bool = True) -> None:
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise ValueError(f"CheckpointManager: keep must be a positive integer or None, got {keep!r}")
+        if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 1:
+            raise ValueError(f"CheckpointManager: save_every must be a positive integer, got {save_every!r}")
+        # Remote paths (gs://...) go through etils.epath, orbax's own path type; local ones are made absolute.
+        self.directory = epath.Path(directory) if "://" in str(directory) else epath.Path(Path(directory).absolute())
+        if not create and not self.directory.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
+        self.keep = keep
+        self.save_every = save_every
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, cleanup_tmp_directories=True,
+                                               enable_async_checkpointing=async_save)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def step_dir(self, step: int) -> epath.Path:
+        """The directory of checkpoint `step` (whether or not it exists)."""
+        return self.directory / str(step)
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, ascending; waits for a pending save first.
+
+        Interrupted saves (orbax's temporary directories) are not steps.
+        """
+        self.wait_until_finished()
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """True when `save(step, ...)` without force would write: step % save_every == 0 or a preemption."""
+        return step % self.save_every == 0 or self._manager.reached_preemption(step)
+
+    def save(self, step: int, state_tree: Any, *, data_state: Mapping[str, Any] | None = None,
+             extra: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+        """Write checkpoint `step` (asynchronously unless async_save=False) when `should_save(step)` or force.
+
+        Call on every process of a multi-host run with the same arguments. The arrays are copied to host before
+        this returns, so the caller may donate or overwrite them right after.
+
+        Args:
+          step: the step number (≥ 0), usually the number of completed updates.
+          state_tree: any pytree of arrays: nnx.State, optax states (NamedTuples), typed PRNG keys or key data,
+            scalar steps; numpy arrays and Python scalars are stored as `jnp.asarray(leaf)`.
+          data_state: the data-iterator state (a JSON dict; None: {}).
+          extra: other JSON-able values to carry over (None: {}).
+          force: save even when `should_save(step)` is False.
+
+        Returns:
+          Whether a checkpoint was written.
+
+        Raises:
+          ValueError: negative step, or a checkpoint for `step` exists already.
+          TypeError: data_state / extra not JSON-serialisable, or a state leaf of an unsupported dtype.
+          CheckpointError: orbax failed to start the save (names the step directory).
+        """
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"CheckpointManager.save: step must be a non-negative integer, got {step!r}")
+        step = int(step)
+        data_state = _check_json(data_state, "data_state")
+        extra = _check_json(extra, "extra")
+        if not force and not self.should_save(step):
+            return False
+        if step in self.all_steps():
+            raise ValueError(f"CheckpointManager.save: checkpoint {self.step_dir(step)} exists already")
+        keyed, treedef = jax.tree_util.tree_flatten_with_path(state_tree)
+        paths = [jax.tree_util.keystr(p) for p, _ in keyed]
+        leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in keyed]
+        layout = [{"path": path, **_describe(x)} for path, x in zip(paths, leaves)]
+        leaves = [jax.random.key_data(x) if _is_key(x.dtype) else x for x in leaves]
+        for entry, value in zip(layout, _leaf_fingerprints(leaves)):
+            entry["fingerprint"] = value
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(jax.tree_util.tree_unflatten(treedef, leaves)),
+            data=ocp.args.JsonSave(data_state), extra=ocp.args.JsonSave(extra),
+            layout=ocp.args.JsonSave({"format": LAYOUT_FORMAT, "leaves": layout}))
+        try:
+            self._manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise CheckpointError(f"saving checkpoint {self.step_dir(step)} failed: {type(e).__name__}: {e}") from e
+        return True
+
+    def restore(self, step: int | None = None, *, abstract: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """Read checkpoint `step` (None: the latest) into the structure, dtypes and shardings of `abstract`.
+
+        Args:
+          step: the step to restore; None for the newest complete one.
+          abstract: the target tree: jax.ShapeDtypeStruct leaves (with shardings, e.g. from eval_shape plus
+            `logra_jax.sharding`) or arrays like the ones saved (their shape, dtype and sharding are used).
+            A leaf without a sharding comes back with the sharding it was saved with (same topology only).
+            Typed PRNG key leaves are re-wrapped with their dtype's implementation.
+
+        Returns:
+          (state_tree, data_state, extra): the restored tree (the structure of `abstract`) and the JSON dicts.
+
+        Raises:
+          FileNotFoundError: no checkpoint at all, or none for `step` (names the path and the available steps).
+          CheckpointError: an unreadable item, a leaf whose bits differ from what was saved, or a tree that does
+            not match the checkpoint (names the step directory and the first mismatching leaf path).
+        """
+        keyed, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        paths = [jax.tree_util.keystr(p) for p, _ in keyed]
+        wanted = [_abstract_leaf(x, path) for path, (_, x) in zip(paths, keyed)]
+        expected = [{"path": path, **_describe(x)} for path, x in zip(paths, wanted)]
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no checkpoint in {self.directory} (available steps: none)")
+            step = steps[-1]
+        step_dir = self.step_dir(step)
+        if step not in steps or not step_dir.is_dir():
+            raise FileNotFoundError(f"checkpoint {step_dir} not found (available steps: {steps or 'none'})")
+        where = f"checkpoint {step_dir}"
+        others = [s for s in steps if s != step]
+        hint = f" (other steps on disk: {others})" if others else ""
+        layout = self._read(step, where, hint, layout=ocp.args.JsonRestore())["layout"]
+        saved = _check_layout(layout, where)
+        _match_layout(saved, expected, where)
+        items = self._read(step, where, hint, state=ocp.args.StandardRestore(jax.tree_util.tree_unflatten(
+            treedef, [_stored(x) for x in wanted])), data=ocp.args.JsonRestore(), extra=ocp.args.JsonRestore())
+        leaves = jax.tree_util.tree_leaves(items["state"])
+        if len(leaves) != len(saved):
+            raise CheckpointError(f"{where}: restored {len(leaves)} leaves, the layout lists {len(saved)}{hint}")
+        for entry, value in zip(saved, _leaf_fingerprints(leaves)):
+            if value != entry["fingerprint"]:
+                raise CheckpointError(f"{where} is corrupted: leaf {entry['path']} does not match its saved "
+                                      f"fingerprint ({value} != {entry['fingerprint']}){hint}")
+        leaves = [jax.random.wrap_key_data(x, impl=e["key_impl"]) if e["key_impl"] else x
+                  for x, e in zip(leaves, expected)]
+        return jax.tree_util.tree_unflatten(treedef, leaves), dict(items["data"]), dict(items["extra"])
+
+    def _read(self, step: int, where: str, hint: str, **items: Any) -> Any:
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:
+            names = ", ".join(items)
+            raise CheckpointError(f"{where} is unreadable ({names}): {type(e).__name__}: {_first_line(e)}{hint}") \
+                from e
+
+    def wait_until_finished(self) -> None:
+        """Block until the pending asynchronous save has been written (and old checkpoints removed).
+
+        Raises:
+          CheckpointError: the background save failed (names the directory).
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        """Finish pending saves and release orbax's resources."""
+        self.wait_until_finished()
+        self._manager.close()
+
+
+def _first_line(e: BaseException) -> str:
+    """Orbax/TensorStore messages carry kilobytes of JSON spec after the first line; keep the readable part."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    return text if len(text) <= 400 else text[:400] + " ..."
+
+
+def _check_layout(layout: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(layout, Mapping) or layout.get("format") != LAYOUT_FORMAT:
+        raise CheckpointError(f"{where}: layout item is not a {LAYOUT_FORMAT} record")
+    leaves = layout.get("leaves")
+    keys = {"path", "shape", "dtype", "key_impl", "fingerprint"}
+    if not isinstance(leaves, list) or not all(isinstance(e, Mapping) and keys <= set(e) for e in leaves):
+        raise CheckpointError(f"{where}: layout item lacks leaf records with fields {sorted(keys)}")
+    return leaves
+
+
+def _match_layout(saved: list[dict[str, Any]], expected: list[dict[str, Any]], where: str) -> None:
+    """Raise CheckpointError naming the first leaf where the checkpoint and the restore target disagree."""
+    saved_paths = [e["path"] for e in saved]
+    expected_paths = [e["path"] for e in expected]
+    if saved_paths != expected_paths:
+        saved_set, expected_set = set(saved_paths), set(expected_paths)
+        for i in range(max(len(saved_paths), len(expected_paths))):
+            want = expected_paths[i] if i < len(expected_paths) else None
+            have = saved_paths[i] if i < len(saved_paths) else None
+            if want is not None and want not in saved_set:
+                raise CheckpointError(f"{where} does not match the restore target: leaf {want} is not in the "
+                                      f"checkpoint")
+            if have is not None and have not in expected_set:
+                raise CheckpointError(f"{where} does not match the restore target: checkpoint leaf {have} is not "
+                                      f"in the target")
+            if want != have:
+                raise CheckpointError(f"{where} does not match the restore target: leaf order differs at {want}")
+    for have, want in zip(saved, expected):
+        for field in ("shape", "dtype", "key_impl"):
+            if have[field] != want[field]:
+                raise CheckpointError(f"{where} does not match the restore target: leaf {want['path']} has "
+                                      f"{field} {have[field]} in the checkpoint, {want[field]} in the target")
