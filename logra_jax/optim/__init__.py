@@ -1,0 +1,72 @@
+"""LoGRA as composable optax transformations (dense-gradient mode; LOGRA.md §1–§4).
+
+  tx = logra(rank=256)                                  # or chain the pieces yourself
+  updates, state = tx.update(grads, state, params)
+  params = apply_updates(params, updates)               # merges W ← W − U·A layer by layer
+"""
+
+from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, logra, target_labels
+from logra_jax.optim.lowrank import LowRankMeta, LowRankUpdate, apply_updates, is_lowrank
+from logra_jax.optim.lowrank_scale import add_decayed_weights_lowrank, scale_lowrank
+from logra_jax.optim.projection import (
+    DISTRIBUTIONS,
+    digest_words,
+    key_from_digest,
+    layer_key,
+    layer_seed,
+    path_digest,
+    projection,
+    slice_projections,
+    target_projection,
+)
+from logra_jax.optim.row_adam import VARIANTS, RowAdamState, row_adam_direction, scale_by_row_adam
+from logra_jax.optim.sketch import SketchState, scale_by_sketch
+from logra_jax.optim.targets import (
+    DEFAULT_TARGET_RULES,
+    MatrixDims,
+    Target,
+    TargetRule,
+    find_targets,
+    match_target,
+    path_keys,
+    path_str,
+)
+from logra_jax.optim.update_ratio import scale_by_update_ratio, update_ratio_factor
+
+__all__ = [
+    "DEFAULT_TARGET_RULES",
+    "DISTRIBUTIONS",
+    "NON_TARGET_LABEL",
+    "TARGET_LABEL",
+    "VARIANTS",
+    "LowRankMeta",
+    "LowRankUpdate",
+    "MatrixDims",
+    "RowAdamState",
+    "SketchState",
+    "Target",
+    "TargetRule",
+    "add_decayed_weights_lowrank",
+    "apply_updates",
+    "digest_words",
+    "find_targets",
+    "is_lowrank",
+    "key_from_digest",
+    "layer_key",
+    "layer_seed",
+    "logra",
+    "match_target",
+    "path_digest",
+    "path_keys",
+    "path_str",
+    "projection",
+    "row_adam_direction",
+    "scale_by_row_adam",
+    "scale_by_sketch",
+    "scale_by_update_ratio",
+    "scale_lowrank",
+    "slice_projections",
+    "target_labels",
+    "target_projection",
+    "update_ratio_factor",
+]

@@ -16,12 +16,16 @@ it so that the prediction meets a budget:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+
+from logra_jax.optim.lowrank import LowRankUpdate
+from logra_jax.optim.sketch_native import SketchProbe, sketching
 
 
 def kl_quadratic(logits: jax.Array, dlogits: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -196,3 +200,49 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
         return _scale_floats(updates, alpha), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def lowrank_factors(updates: Any) -> dict[str, jax.Array]:
+    """{target path: factor} of every LowRankUpdate in an update tree (masked and plain leaves skipped)."""
+    leaves = jax.tree.leaves(updates, is_leaf=lambda x: isinstance(x, LowRankUpdate))
+    return {u.target.path: u.factor for u in leaves if isinstance(u, LowRankUpdate)}
+
+
+def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, step: jax.Array,
+                  probe: Mapping[str, jax.Array], temperature: float = 1.0, chunk: int = 256
+                  ) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
+    """kl_probe(updates) -> (Σ q_t, #t) for `scale_by_predicted_kl`, by one forward-mode JVP of the model.
+
+    The tangent of every target's sketch probe is its update factor U ([*batch, d, r]); in tangent mode the
+    hooked layers add (X Aᵀ)·Pᵀ, so the JVP injects δy = (X Aᵀ) Uᵀ at every target output — the factored form of
+    x·ΔWᵀ with ΔW = U·A, never built. Non-target updates are not part of the prediction (they are frozen in the
+    paper's recipe).
+
+    Args:
+      graphdef, params, rest: the model split as `nnx.split(model, nnx.Param, ...)` with sketch probes attached.
+      step: the update count whose projections the factors belong to.
+      probe: 'tokens' [B, T], 'attention_mask' [B, T] and 'kl_mask' [B, T] (1 at the positions whose
+        next-token distribution is probed: the positions that generated a response token).
+      temperature: the sampling temperature.
+      chunk: positions per chunk of the [B, chunk, V] temporaries.
+    """
+    probes, others = nnx.split_state(rest, SketchProbe, ...)
+    probe_paths = [(k, ".".join(map(str, k[:-1])) + ".kernel") for k, _ in nnx.to_flat_state(probes)]
+
+    def features(probe_values: nnx.State) -> jax.Array:
+        with sketching(step, kind="tangent"):
+            model = nnx.merge(graphdef, params, nnx.merge_state(probe_values, others))
+            return model.features(probe["tokens"], attention_mask=probe["attention_mask"])
+
+    def kl_probe(updates: Any) -> tuple[jax.Array, jax.Array]:
+        factors = lowrank_factors(updates)
+        flat = dict(nnx.to_flat_state(probes))
+        tangent = nnx.from_flat_state([
+            (k, flat[k].replace(factors[target].astype(jnp.float32) if target in factors
+                                else jnp.zeros_like(flat[k][...])))
+            for k, target in probe_paths])
+        hidden, dhidden = jax.jvp(features, (probes,), (tangent,))
+        head = nnx.merge(graphdef, params, rest).head_weight()
+        return predicted_kl_terms(hidden, dhidden, head, probe["kl_mask"], temperature, chunk)
+
+    return kl_probe

@@ -1,0 +1,176 @@
+"""scale_by_row_adam: one second moment per output row, no first moment (LOGRA.md §4).
+
+Per target batch slice (one layer) with sketch S [d, r], row moment v [d] (float32) and t = updates + 1:
+  v ← β₂ v + (1 − β₂) · mean_j S_ij²
+  ρ_i = sqrt(v_i / (1 − β₂^t))
+  paper: den_i = ρ_i + max(ε · mean_i ρ_i, tiny);  s_i ∝ 1/den_i with unit RMS over rows;  D̃ = diag(s) S;
+         D = D̃ · ‖S‖_F / ‖D̃‖_F          (only redistributes magnitude across rows; D = 0 when S = 0)
+  nemo:  D = S / (ρ + ε)                (absolute ε; pair with a learning rate and weight decay)
+  sgd:   D = S                          (reference; no row moment)
+`tiny` is the smallest normal float32. The row moment is indexed by output row, so it survives projection
+refresh. The paper's unit-RMS s is computed as (min_i den_i / den_i) rescaled to unit RMS: the same vector,
+without overflowing 1/den when ρ underflows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+from logra_jax.optim.targets import (
+    DEFAULT_TARGET_RULES,
+    Target,
+    TargetRule,
+    check_rules,
+    find_targets,
+    path_keys,
+    path_str,
+    place_replicated,
+    place_rows,
+)
+
+Variant = Literal["paper", "nemo", "sgd"]
+VARIANTS: tuple[str, ...] = ("paper", "nemo", "sgd")
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+class RowAdamState(NamedTuple):
+    """count: completed updates (int32). row_moment: nested dict keyed by each target's path components
+    ({"blocks": {"attn": {"q_proj": {"kernel": v}}}}), v of shape (*batch_shape, *rows_shape) float32;
+    empty for the sgd variant."""
+
+    count: jax.Array
+    row_moment: dict[str, Any]
+
+
+def _nest(items: Mapping[tuple[str, ...], jax.Array]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for keys, value in items.items():
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return tree
+
+
+def _lookup(tree: Mapping[str, Any], target: Target) -> jax.Array:
+    node: Any = tree
+    for key in target.keys:
+        if not isinstance(node, Mapping) or key not in node:
+            raise ValueError(f"scale_by_row_adam: no row moment for target {target.path!r}; was the state "
+                             "initialised with the same parameters?")
+        node = node[key]
+    return node
+
+
+def row_adam_direction(s: jax.Array, v: jax.Array, count: jax.Array, target: Target, variant: Variant,
+                       b2: float | jax.Array, eps: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One RowAdam step of one target: (D, new v) from sketch s (*batch, *rows, r) and v (*batch, *rows).
+
+    `count` is the number of completed updates (t = count + 1). Statistics are per batch slice (per layer).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from logra_jax.optim.targets import find_targets
+      >>> t = find_targets({"q_proj": {"kernel": jnp.zeros((8, 4))}})["q_proj.kernel"]
+      >>> s = jnp.array([[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [4.0, 4.0]])
+      >>> d, v = row_adam_direction(s, jnp.zeros(4), jnp.int32(0), t, "paper", 0.95, 1e-8)
+      >>> [round(float(x), 3) for x in jnp.linalg.norm(d, axis=1)]   # rows equalised, total norm kept
+      [3.742, 3.742, 0.0, 3.742]
+    """
+    if variant == "sgd":
+        return s, v
+    nb, nr = len(target.batch_shape), len(target.rows_shape)
+    rows = tuple(range(nb, nb + nr))
+    v = b2 * v + (1.0 - b2) * jnp.mean(jnp.square(s), axis=-1)
+    t = (count + 1).astype(jnp.float32)
+    rho = jnp.sqrt(v / (1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)))
+    if variant == "nemo":
+        return s / (rho + eps)[..., None], v
+    den = rho + jnp.maximum(eps * jnp.mean(rho, axis=rows, keepdims=True), _TINY)
+    inv = jnp.min(den, axis=rows, keepdims=True) / den
+    scale = inv / jnp.sqrt(jnp.mean(jnp.square(inv), axis=rows, keepdims=True))
+    d_tilde = scale[..., None] * s
+    norm_axes = (*rows, nb + nr)
+    norm_s = jnp.sqrt(jnp.sum(jnp.square(s), axis=norm_axes, keepdims=True))
+    norm_d = jnp.sqrt(jnp.sum(jnp.square(d_tilde), axis=norm_axes, keepdims=True))
+    restore = jnp.where(norm_d > 0, norm_s / jnp.where(norm_d > 0, norm_d, 1.0), 0.0)
+    return d_tilde * restore, v
+
+
+def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float = 1e-8,
+                      rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES) -> optax.GradientTransformationExtraArgs:
+    """RowAdam on low-rank updates: factor S → D per LOGRA.md §4 (see the module docstring for the equations).
+
+    Acts on LowRankUpdate leaves (place after `scale_by_sketch`); other leaves pass through unchanged.
+
+    Args:
+      variant: "paper" (relative ε, unit-RMS row scale, norm restoration), "nemo" (D = S/(ρ+ε)) or "sgd".
+      b2: β₂ of the row second moment.
+      eps: ε (relative to mean ρ for "paper", absolute for "nemo").
+      rules: the TargetRule sequence used by `scale_by_sketch` (init finds the targets in the params with it).
+
+    Returns:
+      An optax.GradientTransformationExtraArgs with RowAdamState (row moments [*batch, *rows] float32 per
+      target, placed like the weight rows when init gets concretely sharded parameters).
+
+    Raises:
+      ValueError: unknown variant, b2 outside [0, 1), eps < 0; at update, a low-rank leaf without row moment.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from logra_jax.optim.sketch import scale_by_sketch
+      >>> params = {"q_proj": {"kernel": jnp.ones((8, 4))}}
+      >>> tx = optax.chain(scale_by_sketch(rank=2), scale_by_row_adam())
+      >>> updates, state = tx.update(params, tx.init(params))
+      >>> state[1].row_moment["q_proj"]["kernel"].shape
+      (4,)
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    # Arrays (from optax.inject_hyperparams, possibly traced) cannot be checked here.
+    if isinstance(b2, (int, float)) and not 0 <= b2 < 1:
+        raise ValueError(f"b2 must be in [0, 1), got {b2!r}")
+    if isinstance(eps, (int, float)) and not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    rules = check_rules(rules)
+
+    def init_fn(params: Any) -> RowAdamState:
+        targets = find_targets(params, rules)
+        moments = {}
+        if variant != "sgd":
+            for keypath, weight in jax.tree_util.tree_flatten_with_path(params)[0]:
+                t = targets.get(path_str(keypath))
+                if t is not None:
+                    v = jnp.zeros((*t.batch_shape, *t.rows_shape), jnp.float32)
+                    moments[t.keys] = place_rows(v, t, weight)
+        return RowAdamState(count=place_replicated(jnp.zeros((), jnp.int32), params), row_moment=_nest(moments))
+
+    def update_fn(updates: Any, state: RowAdamState, params: Any = None, **extra_args: Any
+                  ) -> tuple[Any, RowAdamState]:
+        del params, extra_args
+        new_moments: dict[tuple[str, ...], jax.Array] = {}
+
+        def one(u: Any) -> Any:
+            if not isinstance(u, LowRankUpdate):
+                return u
+            u.check_step()
+            t = u.target
+            v = jnp.zeros((), jnp.float32) if variant == "sgd" else _lookup(state.row_moment, t)
+            d, v = row_adam_direction(u.factor.astype(jnp.float32), v, state.count, t, variant, b2, eps)
+            if variant != "sgd":
+                new_moments[t.keys] = v.astype(jnp.float32)
+            return u.replace(factor=d)
+
+        out = jax.tree.map(one, updates, is_leaf=is_lowrank)
+        moments = {path_keys(kp): v for kp, v in jax.tree_util.tree_flatten_with_path(state.row_moment)[0]}
+        moments.update(new_moments)
+        return out, RowAdamState(count=optax.safe_increment(state.count), row_moment=_nest(moments))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

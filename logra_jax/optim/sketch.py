@@ -1,0 +1,126 @@
+"""scale_by_sketch: dense gradient G → sketch S = G Aᵀ of every target (dense-gradient mode, LOGRA.md §3)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+from logra_jax.optim.projection import (
+    Distribution,
+    check_nonneg_int,
+    check_projection_args,
+    digest_words,
+    slice_projections,
+)
+from logra_jax.optim.targets import (
+    DEFAULT_TARGET_RULES,
+    Target,
+    TargetRule,
+    check_rules,
+    find_targets,
+    match_target,
+    path_keys,
+    place_replicated,
+)
+
+
+class SketchState(NamedTuple):
+    """count: number of completed updates (int32), the step the next sketch's projections are drawn for."""
+
+    count: jax.Array
+
+
+# Jitted with static geometry and seed settings (the path's digests are an input), so eager use compiles once per
+# shape and distribution.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _sketch(geometry: Target, base_seed: int, rank: int, distribution: Distribution, g: jax.Array,
+            step: jax.Array, digests: jax.Array) -> jax.Array:
+    """S = G Aᵀ for every batch slice: (*batch_shape, *rows_shape, r) float32, contracting the width axes."""
+    w, batch, rows, width = geometry.subscripts
+    a = slice_projections(base_seed, step, digests, rank, geometry.k, distribution)
+    a = a.reshape(*geometry.batch_shape, rank, *geometry.width_shape).astype(g.dtype)
+    return jnp.einsum(f"{w},{batch}z{width}->{batch}{rows}z", g, a, preferred_element_type=jnp.float32)
+
+
+def scale_by_sketch(rank: int, base_seed: int = 42, distribution: Distribution = "rademacher",
+                    refresh: bool = True, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES,
+                    round_bf16: bool = False) -> optax.GradientTransformationExtraArgs:
+    """Replace each target's dense gradient by its sketch, as a `LowRankUpdate` with factor S.
+
+    Per batch slice l of a target (one layer), with t = number of completed updates (the state count):
+      A_l = projection(seed(base_seed, t if refresh else 0, "path.l"), rank, k)        [r, k]
+      S_l = G_l A_lᵀ                                                                  [d, r], float32
+    Non-target leaves pass through unchanged. Leaves that already are a LowRankUpdate (sketch-native mode, where
+    the backward pass produces S directly) pass through unchanged too, after checking that their static seed
+    settings equal this transform's. Generic optax transforms (e.g. clip_by_global_norm) belong before this one.
+
+    Args:
+      rank: r, a positive Python int (static).
+      base_seed: base of every projection seed (static).
+      distribution: "rademacher" (±1/√r) or "gaussian" (N(0, 1/r)).
+      refresh: draw fresh projections every step (True) or keep those of step 0 (False).
+      rules: TargetRule sequence selecting targets and their matrix axes.
+      round_bf16: set on the produced updates: `apply_updates` rounds the final factor to bf16 before merging.
+
+    Returns:
+      An optax.GradientTransformationExtraArgs with SketchState (extra args are ignored).
+
+    Raises:
+      TypeError/ValueError: bad rank, base_seed, distribution or rules; at init/update when no parameter
+        matches the rules or a match cannot be viewed as a matrix.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> params = {"q_proj": {"kernel": jnp.ones((8, 4))}, "norm": jnp.ones(4)}
+      >>> tx = scale_by_sketch(rank=2)
+      >>> updates, state = tx.update(params, tx.init(params))
+      >>> updates["q_proj"]["kernel"].factor.shape, int(state.count)
+      ((4, 2), 1)
+    """
+    check_projection_args(rank, distribution)
+    check_nonneg_int("base_seed", base_seed)
+    rules = check_rules(rules)
+    refresh, round_bf16 = bool(refresh), bool(round_bf16)
+    settings = dict(base_seed=base_seed, rank=rank, distribution=distribution, refresh=refresh,
+                    round_bf16=round_bf16)
+
+    def init_fn(params: Any) -> SketchState:
+        find_targets(params, rules)
+        return SketchState(count=place_replicated(jnp.zeros((), jnp.int32), params))
+
+    def update_fn(updates: Any, state: SketchState, params: Any = None, **extra_args: Any
+                  ) -> tuple[Any, SketchState]:
+        del params, extra_args
+        step = state.count
+        draw_step = step if refresh else jnp.zeros((), jnp.int32)
+        matched = []
+
+        def one(keypath: Any, g: Any) -> Any:
+            if isinstance(g, LowRankUpdate):
+                got = {name: getattr(g.meta, name) for name in settings}
+                if got != settings:
+                    raise ValueError(f"scale_by_sketch: incoming LowRankUpdate for {g.target.path} has settings "
+                                     f"{got}, this transform has {settings}")
+                matched.append(g.target.path)
+                return g
+            keys = path_keys(keypath)
+            target = match_target(".".join(keys), keys, jnp.shape(g), rules)
+            if target is None:
+                return g
+            matched.append(target.path)
+            s = _sketch(target.geometry, base_seed, rank, distribution, g, draw_step,
+                        digest_words(target.slice_paths))
+            return LowRankUpdate(s, step, target=target, **settings)
+
+        sketched = jax.tree_util.tree_map_with_path(one, updates, is_leaf=is_lowrank)
+        if not matched:
+            find_targets(updates, rules)  # raises the no-match ValueError naming the rules
+        return sketched, SketchState(count=optax.safe_increment(step))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

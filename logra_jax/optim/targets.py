@@ -1,0 +1,346 @@
+"""Targets as data: which parameters LoGRA sketches, and how an N-d kernel is viewed as matrices.
+
+A rule is a regex searched on a parameter's canonical path ("blocks.attn.q_proj.kernel") plus dimension numbers
+(`MatrixDims`) naming the kernel axes that form the rows (LoGRA's d, the output features) and the width (LoGRA's
+k, the reduced input features). Every other axis is a batch axis: each batch slice is an independent target
+matrix W [d, k] with its own projection (our decoder stacks layers on axis 0, so one slice = one layer).
+
+Layouts used throughout logra_jax.optim, for a kernel of shape `shape`:
+  sketch S, factor U:  (*batch_shape, *rows_shape, r)   rows keep their own axes so row sharding follows W
+  row moment v:        (*batch_shape, *rows_shape)
+  projection A:        (*batch_shape, r, k)
+Batch, row and width axes are each taken in weight order; the width axes flatten row-major into k.
+Nothing transposes the kernel: the contractions are einsums over its own axes (`Target.subscripts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+# flax.nnx Variables flatten their payload under this attribute; it is not part of the parameter's name.
+_VARIABLE_VALUE_KEY = "value"
+
+
+def _key_name(key: Any) -> str:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    raise TypeError(f"path_str: unsupported key type {type(key).__name__} ({key!r})")
+
+
+def path_keys(keypath: Sequence[Any]) -> tuple[str, ...]:
+    """The canonical path components of a jax tree keypath (see `path_str`).
+
+    Example:
+      >>> import jax
+      >>> [path_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path({"a": [1.0]})[0]]
+      [('a', '0')]
+    """
+    keys = list(keypath)
+    if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == _VARIABLE_VALUE_KEY:
+        keys.pop()
+    return tuple(_key_name(k) for k in keys)
+
+
+def path_str(keypath: Sequence[Any]) -> str:
+    """Canonical "a.b.c" path of a jax tree keypath.
+
+    Dict keys, attribute names and sequence indices ("3") are joined with "."; the trailing `.value` under which
+    an nnx.Variable holds its array is dropped, so an nnx.State and its `nnx.to_pure_dict` give the same paths.
+
+    Args:
+      keypath: a keypath from `jax.tree_util.tree_flatten_with_path` (or `tree_map_with_path`).
+
+    Returns:
+      The canonical path string.
+
+    Raises:
+      TypeError: for a key type other than DictKey, GetAttrKey, SequenceKey or FlattenedIndexKey.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> tree = {"blocks": [{"q_proj": {"kernel": jnp.zeros((2, 3))}}]}
+      >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+      ['blocks.0.q_proj.kernel']
+    """
+    return ".".join(path_keys(keypath))
+
+
+def _normalise_axes(axes: Sequence[int], ndim: int) -> tuple[int, ...] | None:
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            return None
+        out.append(a % ndim)
+    return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixDims:
+    """Axes of a kernel that form the matrix rows (output features d) and the reduced width (input features k).
+
+    Axes may be negative. Every axis in neither tuple is a batch axis (one independent target per batch slice).
+
+    Attributes:
+      rows: axes whose product is d (LoGRA's output rows; the row moment has one entry per row).
+      width: axes whose product is k (contracted with the projection A [r, k]).
+
+    Example:
+      >>> MatrixDims(rows=(-1,), width=(-2,))   # Flax [in, out] kernels, stacked or not
+      MatrixDims(rows=(-1,), width=(-2,))
+      >>> MatrixDims(rows=(1, 2), width=(0,))   # Tunix q einsum kernel [D, N, H]
+      MatrixDims(rows=(1, 2), width=(0,))
+    """
+
+    rows: tuple[int, ...] = (-1,)
+    width: tuple[int, ...] = (-2,)
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "width"):
+            value = getattr(self, name)
+            if (not isinstance(value, tuple) or not value
+                    or not all(isinstance(a, int) and not isinstance(a, bool) for a in value)):
+                raise TypeError(f"MatrixDims.{name} must be a non-empty tuple of ints, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetRule:
+    """A parameter whose canonical path matches `pattern` (re.search) is a target viewed through `dims`.
+
+    Example:
+      >>> rule = TargetRule(r"attn\\.q_einsum\\.w$", MatrixDims(rows=(1, 2), width=(0,)))
+      >>> bool(re.search(rule.pattern, "layers.0.attn.q_einsum.w"))
+      True
+    """
+
+    pattern: str
+    dims: MatrixDims = MatrixDims()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise TypeError(f"TargetRule.pattern must be a str, got {self.pattern!r}")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"TargetRule.pattern {self.pattern!r} is not a valid regex: {e}") from e
+        if not isinstance(self.dims, MatrixDims):
+            raise TypeError(f"TargetRule.dims must be a MatrixDims, got {self.dims!r}")
+
+
+DEFAULT_TARGET_RULES: tuple[TargetRule, ...] = (
+    TargetRule(r"(^|\.)(q|k|v|o|gate|up|down)_proj\.kernel$", MatrixDims(rows=(-1,), width=(-2,))),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One target parameter: its canonical path, shape and (normalised, non-negative, sorted) matrix axes.
+
+    Attributes:
+      path: canonical path ("blocks.attn.q_proj.kernel").
+      keys: the path's components (used to key per-target optimizer state).
+      shape: the kernel's shape.
+      dims: the rule's MatrixDims with axes made non-negative and sorted.
+      batch_axes: the remaining axes, sorted.
+
+    Example:
+      >>> t = match_target("blocks.q_proj.kernel", ("blocks", "q_proj", "kernel"), (28, 3584, 512),
+      ...                  DEFAULT_TARGET_RULES)
+      >>> t.batch_shape, t.rows_shape, t.k, t.slice_paths[1]
+      ((28,), (512,), 3584, 'blocks.q_proj.kernel.1')
+      >>> tuple(t.row_spec(PartitionSpec(None, "fsdp", "tensor")))
+      (None, 'tensor')
+    """
+
+    path: str
+    keys: tuple[str, ...]
+    shape: tuple[int, ...]
+    dims: MatrixDims
+    batch_axes: tuple[int, ...]
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in self.batch_axes)
+
+    @property
+    def rows_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in self.dims.rows)
+
+    @property
+    def width_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in self.dims.width)
+
+    @property
+    def d(self) -> int:
+        """Rows of each target matrix (product of the row axes)."""
+        return math.prod(self.rows_shape)
+
+    @property
+    def k(self) -> int:
+        """Width of each target matrix (product of the width axes)."""
+        return math.prod(self.width_shape)
+
+    @property
+    def num_slices(self) -> int:
+        """Number of independent target matrices (product of the batch axes; 1 when unbatched)."""
+        return math.prod(self.batch_shape)
+
+    @property
+    def slice_paths(self) -> tuple[str, ...]:
+        """Canonical path of each batch slice, flat row-major: "path.i" (just "path" when unbatched)."""
+        if not self.batch_axes:
+            return (self.path,)
+        return tuple(f"{self.path}.{i}" for i in range(self.num_slices))
+
+    @property
+    def geometry(self) -> Target:
+        """This target without its name: the static key of compiled per-target code, shared by equal shapes."""
+        return dataclasses.replace(self, path="", keys=())
+
+    @property
+    def subscripts(self) -> tuple[str, str, str, str]:
+        """einsum letters (weight, batch, rows, width), each in weight-axis order; "z" is reserved for the rank."""
+        letters = "abcdefghijklmnopqrstuvwxy"
+        if len(self.shape) > len(letters):
+            raise ValueError(f"target {self.path}: too many axes ({len(self.shape)})")
+        pick = lambda axes: "".join(letters[a] for a in axes)
+        return (letters[:len(self.shape)], pick(self.batch_axes), pick(self.dims.rows), pick(self.dims.width))
+
+    def row_spec(self, weight_spec: PartitionSpec) -> PartitionSpec:
+        """PartitionSpec of a per-row quantity (*batch_shape, *rows_shape) given the kernel's PartitionSpec."""
+        spec = tuple(weight_spec) + (None,) * (len(self.shape) - len(weight_spec))
+        return PartitionSpec(*(spec[a] for a in self.batch_axes + self.dims.rows))
+
+    def sketch_spec(self, weight_spec: PartitionSpec) -> PartitionSpec:
+        """PartitionSpec of the sketch/factor (*batch_shape, *rows_shape, r) given the kernel's PartitionSpec."""
+        return PartitionSpec(*self.row_spec(weight_spec), None)
+
+
+def _rules_text(rules: Sequence[TargetRule]) -> str:
+    return "[" + ", ".join(f"{r.pattern!r} {r.dims}" for r in rules) + "]"
+
+
+def check_rules(rules: Sequence[TargetRule]) -> tuple[TargetRule, ...]:
+    """Validate `rules` (a non-empty sequence of TargetRule) and return them as a tuple."""
+    if isinstance(rules, TargetRule) or not isinstance(rules, Sequence) or not rules:
+        raise TypeError(f"rules must be a non-empty sequence of TargetRule, got {rules!r}")
+    for r in rules:
+        if not isinstance(r, TargetRule):
+            raise TypeError(f"rules must contain TargetRule instances, got {r!r}")
+    return tuple(rules)
+
+
+def match_target(path: str, keys: tuple[str, ...], shape: Sequence[int],
+                 rules: Sequence[TargetRule]) -> Target | None:
+    """The Target for a parameter at `path` (components `keys`) with `shape` under the first matching rule.
+
+    Returns:
+      The Target, or None when no rule's pattern is found in `path`.
+
+    Raises:
+      ValueError: the matching rule's dims cannot view this shape as matrices (an axis out of range or used
+        twice); the message names the rule, the path and all rules.
+
+    Example:
+      >>> match_target("norm.scale", ("norm", "scale"), (8,), DEFAULT_TARGET_RULES) is None
+      True
+      >>> match_target("o_proj.kernel", ("o_proj", "kernel"), (8,), DEFAULT_TARGET_RULES)
+      Traceback (most recent call last):
+      ...
+      ValueError: target 'o_proj.kernel' with shape (8,) cannot be viewed as a matrix ...
+    """
+    shape = tuple(int(s) for s in shape)
+    for rule in rules:
+        if re.search(rule.pattern, path) is None:
+            continue
+        ndim = len(shape)
+        rows = _normalise_axes(rule.dims.rows, ndim)
+        width = _normalise_axes(rule.dims.width, ndim)
+        if rows is None or width is None or len(set(rows + width)) != len(rows) + len(width):
+            raise ValueError(
+                f"target {path!r} with shape {shape} cannot be viewed as a matrix by rule {rule.pattern!r} "
+                f"{rule.dims}: axes out of range or repeated (rules: {_rules_text(rules)})")
+        batch = tuple(a for a in range(ndim) if a not in rows + width)
+        return Target(path=path, keys=keys, shape=shape, dims=MatrixDims(rows=rows, width=width),
+                      batch_axes=batch)
+    return None
+
+
+def find_targets(params: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES) -> dict[str, Target]:
+    """All target parameters of `params` (any pytree: nested dicts, nnx.State, ShapeDtypeStruct leaves).
+
+    Args:
+      params: the parameter tree; leaves need a `.shape` (arrays or jax.ShapeDtypeStruct).
+      rules: TargetRule sequence; the first rule whose pattern is found in a leaf's canonical path applies.
+
+    Returns:
+      {canonical path: Target}, in tree order.
+
+    Raises:
+      ValueError: no leaf matches any rule, two leaves share a canonical path, or a matched leaf cannot be
+        viewed as a matrix (the message names the rules and the path).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> params = {"attn": {"q_proj": {"kernel": jnp.zeros((4, 8))}}, "norm": {"scale": jnp.ones(4)}}
+      >>> t = find_targets(params)["attn.q_proj.kernel"]
+      >>> (t.d, t.k, t.batch_shape)
+      (8, 4, ())
+    """
+    rules = check_rules(rules)
+    found: dict[str, Target] = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = path_keys(keypath)
+        path = ".".join(keys)
+        target = match_target(path, keys, np.shape(leaf), rules)
+        if target is None:
+            continue
+        if path in found:
+            raise ValueError(f"two parameters share the canonical path {path!r}")
+        found[path] = target
+    if not found:
+        raise ValueError(f"no parameter matches the target rules {_rules_text(rules)}")
+    return found
+
+
+def _named_sharding(x: Any) -> NamedSharding | None:
+    """x's NamedSharding when x is a concrete (not traced) jax.Array placed by one, else None."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and isinstance(x.sharding, NamedSharding):
+        return x.sharding
+    return None
+
+
+def place_rows(x: jax.Array, target: Target, weight: Any) -> jax.Array:
+    """Place per-row state x (*batch_shape, *rows_shape) like the rows of `weight` (the target's kernel).
+
+    Only concrete weights carrying a NamedSharding are followed (an eager `init` on sharded parameters); under
+    jit or eval_shape `x` is returned unchanged and its sharding comes from the caller's out_shardings (derive
+    them with `Target.row_spec`).
+    """
+    sharding = _named_sharding(weight)
+    if sharding is None:
+        return x
+    return jax.device_put(x, NamedSharding(sharding.mesh, target.row_spec(sharding.spec)))
+
+
+def place_replicated(x: jax.Array, params: Any) -> jax.Array:
+    """Replicate x on the mesh of the first NamedSharding-placed concrete leaf of `params` (else unchanged), so
+    that scalar state keeps its placement through jitted updates on sharded parameters."""
+    for leaf in jax.tree.leaves(params):
+        sharding = _named_sharding(leaf)
+        if sharding is not None:
+            return jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    return x

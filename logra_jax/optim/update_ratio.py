@@ -1,0 +1,99 @@
+"""scale_by_update_ratio: the global, weight-norm-relative LoGRA step size (LOGRA.md §4).
+
+  factor = ratio · sqrt(Σ_l ‖W_l‖²_F / Σ_l ‖D_l A_l‖²_F),   D_l ← factor · D_l
+The sums run over the layers l of all targets that carry a low-rank update (every batch slice of every target
+weight): non-target parameters (embeddings, norms, lm head, biases) are not in Σ‖W‖². ‖D A‖²_F = ⟨D (A Aᵀ), D⟩
+uses the r×r Gram matrix of each projection, never D·A. With Σ‖D A‖² = 0 the factor is 0 (nothing to step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def update_ratio_factor(updates: Any, params: Any, ratio: float | jax.Array) -> jax.Array:
+    """ratio · sqrt(Σ‖W‖² / Σ‖D A‖²) over the LowRankUpdate leaves of `updates` and their `params` weights.
+
+    Raises:
+      ValueError: `updates` holds no LowRankUpdate.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from logra_jax.optim.sketch import scale_by_sketch
+      >>> params = {"q_proj": {"kernel": jnp.ones((8, 4))}}
+      >>> updates, _ = scale_by_sketch(rank=2).update(params, scale_by_sketch(rank=2).init(params))
+      >>> float(update_ratio_factor(updates, params, 0.0))
+      0.0
+    """
+    pairs = []
+
+    def collect(u: Any, w: Any) -> None:
+        if isinstance(u, LowRankUpdate):
+            pairs.append((u, w))
+
+    jax.tree.map(collect, updates, params, is_leaf=lambda x: x is None or is_lowrank(x))
+    if not pairs:
+        raise ValueError("scale_by_update_ratio: the updates hold no LowRankUpdate; place it after scale_by_sketch")
+    weight_sq = jnp.zeros((), jnp.float32)
+    update_sq = jnp.zeros((), jnp.float32)
+    for u, w in pairs:
+        u.check_step()
+        t = u.target
+        weight_sq += jnp.sum(jnp.square(jnp.asarray(w, jnp.float32)))
+        d = u.factor.astype(jnp.float32).reshape(t.num_slices, t.d, u.meta.rank)
+        update_sq += jnp.einsum("biz,bzy,biy->", d, u.projection_gram(), d, precision=_HIGHEST)
+    safe = jnp.where(update_sq > 0, update_sq, 1.0)
+    return jnp.where(update_sq > 0, ratio * jnp.sqrt(weight_sq / safe), 0.0)
+
+
+def scale_by_update_ratio(ratio: float = 6e-5) -> optax.GradientTransformationExtraArgs:
+    """Scale every low-rank factor so the whole step has norm `ratio` relative to the target weights.
+
+    D_l ← ratio · sqrt(Σ_l ‖W_l‖²_F / Σ_l ‖D_l A_l‖²_F) · D_l (one global factor; see the module docstring).
+    Other leaves pass through unchanged; a decay term (if any) is not scaled. Needs `params`.
+
+    Args:
+      ratio: the update-to-weight norm ratio (LOGRA.md: 6e-5); may be an array under inject_hyperparams.
+
+    Returns:
+      An optax.GradientTransformationExtraArgs with optax.EmptyState.
+
+    Raises:
+      ValueError: ratio < 0; at update, params missing or no LowRankUpdate in the updates.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from logra_jax.optim.sketch import scale_by_sketch
+      >>> params = {"q_proj": {"kernel": jnp.ones((8, 4))}}
+      >>> tx = optax.chain(scale_by_sketch(rank=2), scale_by_update_ratio(0.01))
+      >>> updates, _ = tx.update(params, tx.init(params), params)
+      >>> delta = updates["q_proj"]["kernel"].to_dense()
+      >>> round(float(jnp.linalg.norm(delta) / jnp.linalg.norm(params["q_proj"]["kernel"])), 4)
+      0.01
+    """
+    if isinstance(ratio, (int, float)) and not ratio >= 0:
+        raise ValueError(f"ratio must be >= 0, got {ratio!r}")
+
+    def init_fn(params: Any) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates: Any, state: optax.EmptyState, params: Any = None, **extra_args: Any
+                  ) -> tuple[Any, optax.EmptyState]:
+        del extra_args
+        if params is None:
+            raise ValueError("scale_by_update_ratio needs params: call update(updates, state, params)")
+        factor = update_ratio_factor(updates, params, ratio)
+        scaled = jax.tree.map(lambda u: u.replace(factor=factor * u.factor) if is_lowrank(u) else u,
+                              updates, is_leaf=is_lowrank)
+        return scaled, state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,127 @@
+"""Projections: seeds against hashlib, traced keys against host seeds, distributions, unbiasedness of S·A."""
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from logra_jax.optim import (
+    digest_words,
+    find_targets,
+    key_from_digest,
+    layer_key,
+    layer_seed,
+    path_digest,
+    projection,
+    target_projection,
+)
+
+PATHS = ["blocks.attn.q_proj.kernel.0", "blocks.mlp.down_proj.kernel.27", "w", "ünïcode.path"]
+STEPS = [0, 1, 299, 65535, 65536, 123_456_789, 2**31 - 1]
+
+
+def hashlib_seed(base, step, path):
+    digest = int.from_bytes(hashlib.blake2b(path.encode("utf-8")).digest()[:8], "little")
+    return (base * 1_000_003 + step * 7_919 + digest) % 2**62
+
+
+def test_layer_seed_matches_hashlib_formula():
+    for base in (0, 42, 2**40 + 3):
+        for step in STEPS:
+            for path in PATHS:
+                assert layer_seed(base, step, path) == hashlib_seed(base, step, path)
+    assert path_digest("w") == int.from_bytes(hashlib.blake2b(b"w").digest()[:8], "little")
+    with pytest.raises(ValueError, match="step"):
+        layer_seed(42, -1, "w")
+    with pytest.raises(TypeError, match="base_seed"):
+        layer_seed(42.0, 0, "w")
+
+
+def test_traced_key_equals_host_seed_and_64bit_jax_key():
+    words = jnp.asarray(digest_words(PATHS))
+    steps = jnp.asarray(STEPS, jnp.int32)
+    for base in (0, 42, 2**40 + 3):
+        # step and digest both traced: the scan-over-layers use of key_from_digest.
+        key_words = lambda s, w, base=base: jax.random.key_data(key_from_digest(base, s, w))
+        got = jax.jit(jax.vmap(jax.vmap(key_words, in_axes=(None, 0)), in_axes=(0, None)))(steps, words)
+        for i, step in enumerate(STEPS):
+            for j, path in enumerate(PATHS):
+                seed = hashlib_seed(base, step, path)
+                assert (int(got[i, j, 0]), int(got[i, j, 1])) == (seed >> 32, seed & 0xFFFFFFFF), (step, path)
+    seed = layer_seed(42, 7, PATHS[0])
+    with jax.enable_x64(True):
+        reference = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    np.testing.assert_array_equal(jax.random.key_data(layer_key(42, jnp.int32(7), PATHS[0])), reference)
+    np.testing.assert_array_equal(projection(layer_key(42, 7, PATHS[0]), 4, 16), projection(seed, 4, 16))
+
+
+def test_projection_distributions():
+    r, k = 16, 4096
+    a = np.asarray(projection(layer_seed(42, 0, "w"), r, k, "rademacher"))
+    np.testing.assert_array_equal(np.abs(a), np.full((r, k), 0.25, np.float32))
+    assert abs(np.mean(a > 0) - 0.5) < 0.01  # 65536 fair coin flips: sd 0.002
+    g = np.asarray(projection(layer_seed(42, 0, "w"), r, k, "gaussian"), np.float64)
+    assert abs(g.mean()) < 5 * np.sqrt(1 / r / g.size)
+    assert abs(g.var() * r - 1) < 0.03  # var of the sample variance: 2/n, sd 0.0055
+    # E[AᵀA] = I: the diagonal of AᵀA averages to 1 over columns.
+    assert abs(np.mean(np.sum(g * g, axis=0)) - 1) < 0.03
+    assert projection(3, 4, 8, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="distribution"):
+        projection(0, 4, 8, "uniform")
+    with pytest.raises(TypeError, match="rank"):
+        projection(0, 0, 8)
+
+
+def test_target_projection_slices_refresh_and_scan_over_layers():
+    params = {"blocks": {"q_proj": {"kernel": jnp.zeros((3, 8, 5))}}}
+    t = find_targets(params)["blocks.q_proj.kernel"]
+    a = target_projection(t, 42, 2, 4, "gaussian")
+    assert a.shape == (3, 4, 8)
+    for i in range(3):
+        np.testing.assert_array_equal(a[i], projection(layer_seed(42, 2, f"blocks.q_proj.kernel.{i}"), 4, 8,
+                                                       "gaussian"))
+    assert not np.allclose(a, target_projection(t, 42, 3, 4, "gaussian"))  # a new A every step
+    # The sketch-native model scans over layers with the digests as scanned inputs: same A per layer.
+    words = jnp.asarray(digest_words(t.slice_paths))
+
+    def body(carry, digest):
+        return carry, projection(key_from_digest(42, carry, digest), 4, t.k, "gaussian")
+
+    _, scanned = jax.jit(lambda step: jax.lax.scan(body, step, words))(jnp.int32(2))
+    np.testing.assert_array_equal(scanned, a)
+    unbatched = find_targets({"q_proj": {"kernel": jnp.zeros((8, 5))}})["q_proj.kernel"]
+    np.testing.assert_array_equal(target_projection(unbatched, 42, 0, 4),
+                                  projection(layer_seed(42, 0, "q_proj.kernel"), 4, 8))
+
+
+@pytest.mark.parametrize("dist", ["rademacher", "gaussian"])
+def test_sketch_times_projection_is_unbiased(dist):
+    """mean over N seeds of S A = G (AᵀA) → G, with per-entry standard errors from the exact variance.
+
+    (AᵀA)_ml − δ_ml has mean 0 and variance 1/r off the diagonal; on the diagonal 0 (Rademacher) or 2/r
+    (Gaussian). So Var[(G AᵀA)_jl] = (Σ_{m≠l} G_jm² + c G_jl²)/r with c = 0 or 2, and the mean of N independent
+    draws has that variance / N.
+    """
+    r, d, k, n = 8, 6, 32, 4000
+    g = np.random.default_rng(0).normal(size=(d, k))
+    target = find_targets({"q_proj": {"kernel": jnp.zeros((k, d))}})["q_proj.kernel"]
+
+    @jax.jit
+    def mean_estimate(g):
+        def one(step):
+            a = target_projection(target, 42, step, r, dist)
+            return (g @ a.T) @ a
+
+        return jnp.mean(jax.lax.map(one, jnp.arange(n, dtype=jnp.int32), batch_size=500), axis=0)
+
+    est = np.asarray(mean_estimate(jnp.asarray(g, jnp.float32)), np.float64)
+    c = 2.0 if dist == "gaussian" else 0.0
+    var = ((np.sum(g ** 2, axis=1, keepdims=True) - g ** 2) + c * g ** 2) / r
+    z = (est - g) / np.sqrt(var / n)
+    # 192 entries, each ~N(0, 1): |z| < 5 fails with probability ~1e-4; the mean square concentrates at 1.
+    assert np.abs(z).max() < 5.0
+    assert 0.6 < np.mean(z ** 2) < 1.5
+    # A biased estimator (e.g. missing 1/√r) would be off by O(1) in every entry, hundreds of standard errors.
+    assert np.abs(est - g).max() < 0.2 * np.abs(g).max()
