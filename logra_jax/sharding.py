@@ -1,44 +1,191 @@
-"""Logical axis names → mesh axes.
+"""Mesh, logical-axis rules and the shardings of everything a train step touches.
 
-Every parameter of the model carries logical axis names in its `axes` metadata; activations are constrained
-with `constrain(x, axes)`, which is a no-op unless a mesh and a rules table are active (`use_rules`).
+A (data, fsdp, tensor) mesh with Auto axis types (GSPMD propagation). Parameters carry logical axis names in
+their `axes` metadata; a rules table maps them to mesh axes (`logical_to_spec`). All other shardings are derived
+by pure functions: `param_shardings` (metadata; sketch probes follow their kernel's rows), `opt_state_shardings`
+(each state leaf follows the parameter its path ends with, through `derive_spec`), `batch_shardings`.
+Activations are constrained with `constrain(x, logical_axes)` while `use_rules` is active, which
+`jit_train_step` arranges while it jits with in/out shardings and donation. `init_sharded` creates state in its
+shardings (eval_shape → shardings → jit(out_shardings)).
+
+Typical use, with init_fn() -> (TrainState, rest) and a step from logra_jax.train_step (run end to end by
+tests/sharding/test_sharded_step.py and tests/sharding/multihost_worker.py):
+  mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+  (state, rest), (state_sh, rest_sh) = init_sharded(init_fn, lambda s: (
+      train_state_shardings(s[0], mesh), param_shardings(s[1], mesh, sources=s[0].params)))
+  step = jit_train_step(step_fn, mesh, in_shardings=(state_sh, rest_sh, batch_shardings(batch, mesh)),
+                        out_shardings=(state_sh, replicated(mesh)))
+  state, metrics = step(state, rest, jax.device_put(batch, batch_shardings(batch, mesh)))
+Compile-only: `step.lower(*abstract_sharded(...)).compile().memory_analysis()` (experiments/memory/run.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+T = TypeVar("T")
+MeshAxes = str | tuple[str, ...] | None
+LogicalRules = Sequence[tuple[str, MeshAxes]]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Earlier rules have priority (`logical_to_spec`). fsdp splits the model width of every block weight; tensor
+# splits heads / mlp / vocab (Megatron-style); the vocabulary takes fsdp as well, so the [V, D] embedding and the
+# [D, V] head are split over V only and logits are computed vocab-parallel instead of gathering the head.
+PARAM_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("layers", None), ("vocab", ("tensor", "fsdp")), ("embed", "fsdp"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
+    ("mlp", "tensor"), ("norm", None))
+# The batch is split over every data-parallel axis; heads and mlp activations follow their weights.
+ACTIVATION_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "fsdp")), ("length", None), ("act_embed", None), ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"), ("act_mlp", "tensor"), ("act_vocab", "tensor"))
+DEFAULT_RULES = PARAM_RULES + ACTIVATION_RULES
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, LogicalRules] | None] = contextvars.ContextVar(
     "logra_jax_logical_rules", default=None)
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules) -> PartitionSpec:
-    """PartitionSpec for logical `axes` under `rules` (first matching rule wins; a mesh axis is used once)."""
-    table = dict(rules)
+@dataclasses.dataclass(frozen=True, slots=True)
+class MeshConfig:
+    """Sizes of the (data, fsdp, tensor) mesh axes; one of them may be -1 (all remaining devices).
+
+    Example:
+      >>> MeshConfig(data=2, fsdp=-1).axis_sizes(8)
+      (2, 4, 1)
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = {name: getattr(self, name) for name in MESH_AXES}
+        for name, size in sizes.items():
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                raise ValueError(f"MeshConfig.{name} must be a positive integer or -1, got {size!r}")
+        if sum(size == -1 for size in sizes.values()) > 1:
+            raise ValueError(f"MeshConfig: at most one axis may be -1, got {sizes}")
+
+    def axis_sizes(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) for `num_devices` devices, the -1 axis filled in.
+
+        Raises:
+          ValueError: the sizes do not multiply to `num_devices`.
+        """
+        sizes = [getattr(self, name) for name in MESH_AXES]
+        fixed = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % fixed:
+                raise ValueError(f"MeshConfig {self}: {num_devices} devices are not divisible by {fixed}")
+            sizes[sizes.index(-1)] = num_devices // fixed
+        if math.prod(sizes) != num_devices:
+            raise ValueError(f"MeshConfig {self} needs {math.prod(sizes)} devices, got {num_devices}")
+        return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over `devices` (default: all global devices) with Auto axis types.
+
+    Auto (not Explicit, `jax.make_mesh`'s default in this JAX) keeps GSPMD's sharding propagation: shardings of
+    intermediates are inferred from inputs, outputs and `constrain` calls. In a multi-process run
+    (logra_jax.multihost) the default devices span every process.
+
+    Args:
+      config: the axis sizes.
+      devices: the devices to lay out (default `jax.devices()`).
+
+    Returns:
+      A jax.sharding.Mesh with axes ("data", "fsdp", "tensor").
+
+    Raises:
+      ValueError: the config's sizes do not fit the number of devices.
+
+    Example:
+      >>> mesh = make_mesh(MeshConfig(fsdp=-1), jax.devices()[:1])
+      >>> dict(mesh.shape)
+      {'data': 1, 'fsdp': 1, 'tensor': 1}
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = config.axis_sizes(len(devices))
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def _entry(group: Sequence[str]) -> MeshAxes:
+    return None if not group else group[0] if len(group) == 1 else tuple(group)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules, *, shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec for logical `axes` under `rules`.
+
+    Rules are applied in table order, so earlier rules have priority: a mesh axis shards at most one dimension,
+    the one whose rule comes first (with ('vocab', ('tensor', 'fsdp')) listed before ('embed', 'fsdp'), a [V, D]
+    embedding is split over the vocabulary only). A logical name's first rule is its only rule. With `shape` and
+    `mesh`, a mesh axis is kept on a dimension only while the product of the kept axes divides the dimension
+    (e.g. 9 heads stay replicated on a tensor axis of 2).
+
+    Args:
+      axes: one logical name (or None) per dimension.
+      rules: (logical name, mesh axis | tuple of mesh axes | None) pairs.
+      shape, mesh: the array's shape and the mesh, to drop mesh axes that do not divide a dimension.
+
+    Returns:
+      The PartitionSpec.
+
+    Raises:
+      ValueError: only one of shape / mesh given, or len(shape) != len(axes).
+
+    Example:
+      >>> logical_to_spec(("layers", "embed", "q_heads"), DEFAULT_RULES)
+      P(None, 'fsdp', 'tensor')
+    """
+    if (shape is None) != (mesh is None):
+        raise ValueError("logical_to_spec: pass both shape and mesh, or neither")
+    if shape is not None and len(shape) != len(axes):
+        raise ValueError(f"logical_to_spec: axes {tuple(axes)} do not match shape {tuple(shape)}")
+    groups: list[list[str]] = [[] for _ in axes]
     used: set[str] = set()
-    spec = []
-    for name in axes:
-        mesh_axes = table.get(name) if name is not None else None
-        if mesh_axes is None:
-            spec.append(None)
+    seen: set[str] = set()
+    for name, mesh_axes in rules:
+        if name in seen:
             continue
-        group = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-        group = tuple(a for a in group if a not in used)
-        used.update(group)
-        spec.append(group[0] if len(group) == 1 else (group or None))
+        seen.add(name)
+        for dim in (d for d, a in enumerate(axes) if a == name):
+            product = 1
+            for a in _as_tuple(mesh_axes):
+                if a in used or (shape is not None and shape[dim] % (product * mesh.shape[a])):
+                    continue
+                groups[dim].append(a)
+                used.add(a)
+                if shape is not None:
+                    product *= mesh.shape[a]
+    spec = [_entry(g) for g in groups]
     return PartitionSpec(*spec)
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
-    """Activate `rules` on `mesh` for `constrain` calls traced inside the block."""
+def use_rules(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[None]:
+    """Activate `rules` on `mesh` for `constrain` calls traced inside the block.
+
+    Enter it inside the function being jitted (the jit cache does not see context variables); `jit_train_step`
+    does this for you.
+    """
     token = _ACTIVE.set((mesh, tuple(rules)))
     try:
         yield
@@ -47,9 +194,290 @@ def use_rules(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint on an activation by logical axis names; identity when no rules are active."""
+    """Sharding constraint on an activation by logical axis names; identity when no rules are active.
+
+    Args:
+      x: the activation.
+      axes: one logical name (or None) per dimension of x, e.g. ("batch", "length", "act_embed").
+
+    Returns:
+      x, constrained to `logical_to_spec(axes, rules, shape=x.shape, mesh=mesh)` under `use_rules(mesh, rules)`.
+
+    Example:
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> def f(x):
+      ...     with use_rules(mesh):
+      ...         return constrain(x, ("batch", "act_embed")) * 2
+      >>> jax.jit(f)(jax.numpy.ones((2, 3))).shape
+      (2, 3)
+    """
     active = _ACTIVE.get()
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
+    spec = logical_to_spec(axes, rules, shape=x.shape, mesh=mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _match_dims(shape: tuple[int, ...], source: tuple[int, ...]) -> tuple[int | None, ...]:
+    """Order-preserving map of `shape`'s dims onto equal-sized dims of `source` (None: unmatched).
+
+    Most matched dims wins; among equals, later source dims (weight rows are last in the Flax layout).
+    """
+
+    @functools.cache
+    def best(i: int, j: int) -> tuple[tuple[int, int], tuple[int | None, ...]]:
+        if i == len(shape):
+            return (0, 0), ()
+        (n, pos), rest = best(i + 1, j)
+        options = [((n, pos), (None, *rest))]
+        for jj in range(j, len(source)):
+            if source[jj] == shape[i] and shape[i] > 1:
+                (n, pos), rest = best(i + 1, jj + 1)
+                options.append(((n + 1, pos + jj), (jj, *rest)))
+        return max(options, key=lambda option: option[0])
+
+    return best(0, 0)[1]
+
+
+def derive_spec(shape: Sequence[int], source_shape: Sequence[int], source_spec: PartitionSpec,
+                mesh: Mesh) -> PartitionSpec:
+    """Sharding of a leaf derived from a parameter: same spec on matching dims, same total shard count.
+
+    Dims of `shape` are matched in order to equal-sized dims of the source parameter (`_match_dims`) and keep
+    their mesh axes; mesh axes of unmatched source dims (e.g. the fsdp-sharded width a row moment reduces over)
+    are moved onto dims of the leaf they divide (last matched dims first), so the leaf is split as finely as
+    its parameter.
+
+    Example (a sketch [L, d, r] of a kernel [L, k, d] sharded (None, 'fsdp', 'tensor')):
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> derive_spec((2, 8, 4), (2, 6, 8), PartitionSpec(None, "fsdp", "tensor"), mesh)
+      P(None, ('tensor', 'fsdp'), None)
+    """
+    shape, source_shape = tuple(shape), tuple(source_shape)
+    source = tuple(source_spec) + (None,) * (len(source_shape) - len(source_spec))
+    if shape == source_shape:
+        return PartitionSpec(*source)
+    match = _match_dims(shape, source_shape)
+    groups = [list(_as_tuple(source[j])) if j is not None else [] for j in match]
+    leftover = [a for j, entry in enumerate(source) if j not in match for a in _as_tuple(entry)]
+    # Last matched dims first (rows, not the stacked-layers axis a scan slices), then new dims (the rank).
+    order = [i for i, j in reversed(list(enumerate(match))) if j is not None] + [
+        i for i, j in enumerate(match) if j is None]
+    for axis in leftover:
+        for i in order:
+            if shape[i] % (math.prod(mesh.shape[a] for a in groups[i]) * mesh.shape[axis]) == 0:
+                groups[i].append(axis)
+                break
+    return PartitionSpec(*(_entry(g) for g in groups))
+
+
+def _path(keypath: Sequence[Any]) -> tuple[str, ...]:
+    """Path components (dict keys, attribute names, indices) without an nnx.Variable's trailing `.value`."""
+    if keypath and isinstance(keypath[-1], jax.tree_util.GetAttrKey) and keypath[-1].name == "value":
+        keypath = keypath[:-1]
+    return tuple(str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)) for k in keypath)
+
+
+def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, *,
+                    derived: Mapping[str, str] | None = None, sources: Any = None) -> T:
+    """NamedShardings for an nnx.State (or any tree of nnx.Variables) from each Variable's `axes` metadata.
+
+    Args:
+      abstract_state: the state (arrays or ShapeDtypeStructs inside nnx.Variables); leaves outside Variables,
+        or whose `axes` do not match their rank, are replicated.
+      mesh: the device mesh.
+      rules: logical → mesh axes.
+      derived: {variable name: sibling name}: such variables take `derive_spec` of their sibling's sharding
+        instead of their own metadata. Default {"sketch_probe": "kernel"}: a LoGRA probe [L, d, r] is split
+        like its kernel's rows and as finely as the kernel.
+      sources: another tree of Variables where siblings are looked up too (the params, when `abstract_state`
+        is the non-Param `rest` holding the probes).
+
+    Returns:
+      The same tree with NamedShardings in place of the arrays (usable as jit in/out shardings).
+
+    Example:
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> state = {"kernel": nnx.Param(jax.numpy.zeros((4, 6)), axes=("embed", "mlp"))}
+      >>> param_shardings(state, mesh)["kernel"].get_value().spec
+      P('fsdp', 'tensor')
+    """
+    derived = {"sketch_probe": "kernel"} if derived is None else dict(derived)
+    is_var = lambda x: isinstance(x, nnx.Variable)
+
+    def own_spec(var: Any) -> PartitionSpec:
+        axes = var.get_metadata().get("axes") if is_var(var) else None
+        shape = var.shape if is_var(var) else getattr(var, "shape", ())
+        if axes is None or len(axes) != len(shape):
+            return PartitionSpec()
+        return logical_to_spec(axes, rules, shape=shape, mesh=mesh)
+
+    by_path = {_path(p): v for tree in (sources, abstract_state) if tree is not None
+               for p, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]}
+
+    def sharding(keypath: Any, var: Any) -> Any:
+        path = _path(keypath)
+        spec = own_spec(var)
+        sibling = (*path[:-1], derived.get(path[-1], "")) if path else ()
+        if path and path[-1] in derived and sibling in by_path:
+            source = by_path[sibling]
+            spec = derive_spec(var.shape, source.shape, own_spec(source), mesh)
+        out = NamedSharding(mesh, spec)
+        return var.replace(value=out) if is_var(var) else out
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_state, is_leaf=is_var)
+
+
+def opt_state_shardings(abstract_opt_state: T, params_shardings: Any, abstract_params: Any) -> T:
+    """NamedShardings for an optimizer state, derived from the parameters' shardings.
+
+    A state leaf whose path ends with a parameter's path (optax moments: `mu.blocks.attn.q_proj.kernel`; state
+    keyed by canonical path strings works too) takes `derive_spec` of that parameter's sharding; every other
+    leaf (step counts, scalars) is replicated.
+
+    Args:
+      abstract_opt_state: the state from `jax.eval_shape(tx.init, params)` (or a real state).
+      params_shardings: the parameters' NamedShardings (`param_shardings`).
+      abstract_params: the parameters (for their shapes), same structure as `params_shardings`.
+
+    Returns:
+      The optimizer state's tree with NamedShardings as leaves.
+
+    Raises:
+      ValueError: `params_shardings` and `abstract_params` differ in their number of leaves, or are empty.
+
+    Example:
+      >>> import optax
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> params = {"kernel": nnx.Param(jax.numpy.zeros((4, 6)), axes=("embed", "mlp"))}
+      >>> shardings = opt_state_shardings(optax.adam(1e-3).init(params), param_shardings(params, mesh), params)
+      >>> shardings[0].mu["kernel"].get_value().spec, shardings[0].count.spec
+      (P('fsdp', 'tensor'), P())
+    """
+    sh_leaves = jax.tree_util.tree_flatten_with_path(params_shardings)[0]
+    shapes = jax.tree.leaves(abstract_params)
+    if not sh_leaves or len(sh_leaves) != len(shapes):
+        raise ValueError(f"opt_state_shardings: params_shardings has {len(sh_leaves)} leaves, abstract_params "
+                         f"{len(shapes)}")
+    index = {".".join(_path(p)): (tuple(x.shape), s) for (p, s), x in zip(sh_leaves, shapes)}
+    mesh = sh_leaves[0][1].mesh
+
+    def sharding(keypath: Any, leaf: Any) -> NamedSharding:
+        path = _path(keypath)
+        for start in range(len(path)):
+            hit = index.get(".".join(path[start:]))
+            if hit is not None and getattr(leaf, "ndim", 0) > 0:
+                return NamedSharding(mesh, derive_spec(leaf.shape, hit[0], hit[1].spec, mesh))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_opt_state)
+
+
+def train_state_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> T:
+    """Shardings of a TrainState-like NamedTuple (params, opt_state, step).
+
+    params: `param_shardings` (metadata); opt_state: `opt_state_shardings` (derived from the params); step:
+    replicated.
+
+    Raises:
+      TypeError: `abstract_state` is not a NamedTuple with fields params, opt_state and step.
+    """
+    if not all(hasattr(abstract_state, f) for f in ("params", "opt_state", "step", "_replace")):
+        raise TypeError(f"train_state_shardings: need a NamedTuple with params, opt_state and step, got "
+                        f"{type(abstract_state).__name__}")
+    params = param_shardings(abstract_state.params, mesh, rules)
+    return abstract_state._replace(
+        params=params, opt_state=opt_state_shardings(abstract_state.opt_state, params, abstract_state.params),
+        step=NamedSharding(mesh, PartitionSpec()))
+
+
+def batch_shardings(abstract_batch: T, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> T:
+    """Leading axis of every batch leaf over the 'batch' rule's mesh axes (data, fsdp); the rest replicated.
+
+    Example:
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> batch_shardings({"tokens": jax.ShapeDtypeStruct((8, 16), jax.numpy.int32)}, mesh)["tokens"].spec
+      P(('data', 'fsdp'), None)
+    """
+    def sharding(x: Any) -> NamedSharding:
+        axes = ("batch",) + (None,) * (len(x.shape) - 1)
+        return NamedSharding(mesh, logical_to_spec(axes, rules, shape=x.shape, mesh=mesh))
+    return jax.tree.map(sharding, abstract_batch)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The fully replicated sharding on `mesh` (scalars, metrics)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def abstract_sharded(abstract: T, shardings: Any) -> T:
+    """ShapeDtypeStructs carrying `shardings`: compile-only inputs (`jit(...).lower(...)`), nothing allocated."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+
+def init_sharded(init_fn: Callable[[], T], shardings_fn: Callable[[T], Any], *,
+                 compiler_options: Mapping[str, Any] | None = None) -> tuple[T, Any]:
+    """Run `init_fn` under jit with the shardings `shardings_fn` derives from its abstract output.
+
+    Every array is created directly in its shards (eval_shape → shardings → jit(out_shardings)): no host or
+    single-device copy of the whole state ever exists.
+
+    Args:
+      init_fn: builds the state (no arguments; close over seeds and configs).
+      shardings_fn: abstract state (ShapeDtypeStructs) -> its shardings (e.g. `train_state_shardings`).
+      compiler_options: XLA options for this compilation (see `jit_train_step`).
+
+    Returns:
+      (state, shardings).
+
+    Example:
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> init = lambda: {"w": nnx.Param(jax.numpy.ones((4, 2)), axes=("embed", "mlp"))}
+      >>> state, sh = init_sharded(init, lambda s: param_shardings(s, mesh))
+      >>> state["w"][...].sharding.spec
+      P('fsdp', 'tensor')
+    """
+    shardings = shardings_fn(jax.eval_shape(init_fn))
+    jitted = jax.jit(init_fn, out_shardings=shardings,
+                     compiler_options=None if compiler_options is None else dict(compiler_options))
+    return jitted(), shardings
+
+
+def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, *,
+                   in_shardings: Any, out_shardings: Any, donate_argnums: int | Sequence[int] = (0,),
+                   static_argnames: str | Sequence[str] = (), compiler_options: Mapping[str, Any] | None = None
+                   ) -> Any:
+    """`jax.jit(step)` with in/out shardings and donation, tracing `step` with `rules` active on `mesh`.
+
+    Args:
+      step: a pure step function; its positional arguments are sharded by `in_shardings`.
+      mesh, rules: activated (`use_rules`) while `step` is traced, so the model's `constrain` calls apply.
+      in_shardings: per positional argument (a tree of NamedShardings or a prefix).
+      out_shardings: for the outputs; a None entry leaves a sub-tree to the compiler.
+      donate_argnums: arguments whose buffers the outputs may reuse (default: the train state).
+      static_argnames: keyword arguments treated as compile-time constants.
+      compiler_options: XLA options for this compilation (e.g. {"xla_backend_optimization_level": 0} to
+        compile faster where run time does not matter: tests, memory analysis).
+
+    Returns:
+      The jitted step (call it, or `.lower(*abstract_args)` for compile-only analysis).
+
+    Example:
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> step = lambda w, x: (w - 0.1 * constrain(x, ("batch", "act_embed")).mean(0), x.sum())
+      >>> sh = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+      >>> jitted = jit_train_step(step, mesh, in_shardings=(replicated(mesh), sh),
+      ...                         out_shardings=(replicated(mesh), replicated(mesh)))
+      >>> w, total = jitted(jax.numpy.ones(3), jax.numpy.ones((2, 3)))
+      >>> float(total)
+      6.0
+    """
+    @functools.wraps(step)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with use_rules(mesh, rules):
+            return step(*args, **kwargs)
+
+    return jax.jit(traced, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums,
+                   static_argnames=static_argnames,
+                   compiler_options=None if compiler_options is None else dict(compiler_options))

@@ -1,15 +1,20 @@
 """One optimizer step over microbatches, for any optax transformation and any model loss.
 
-`make_train_step` returns a pure function `step(state, batch, extra) -> (state, metrics)` for the caller to jit
-(with shardings and donation, see logra_jax.sharding). Gradients of the trainable parameters are accumulated in
-float32 over microbatches with `lax.scan` and averaged; under GSPMD a batch sharded over the data axes gives the
-data-parallel mean without explicit collectives.
+`make_train_step` returns a pure function `step(state, rest, batch, *, probe=None, **extra) -> (state, metrics)`
+for the caller to jit (with shardings and donation, see logra_jax.sharding). Two ways to get the gradient signal:
+  - "dense": float32 gradients of the trainable parameters, accumulated over microbatches with `lax.scan`;
+  - "sketch_native": target layers hand over S = Hᵀ(X Aᵀ) through their sketch probes (no dense target
+    gradient); targets enter the optax chain as LowRankUpdate leaves, which `scale_by_sketch` passes through.
+Under GSPMD a batch sharded over the data axes gives the data-parallel mean without explicit collectives.
+With a `KLProbeConfig`, the step builds the predicted-KL probe on `probe` (a few responses) for
+`scale_by_predicted_kl` and measures the realised KL on the same responses after the update.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +23,16 @@ from flax import nnx
 
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
+from logra_jax.optim.predicted_kl import make_kl_probe, realised_kl
 from logra_jax.optim.sketch_native import SketchProbe, SketchSpec, sketching
 from logra_jax.optim.targets import Target, path_str
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mapping[str, jax.Array]]]
+Trainable = Callable[[tuple, Any], bool]
+
+# Fields of the optimizer state reported as metrics when present (scale_by_predicted_kl's state).
+_KL_STATE_METRICS = {"q": "kl_predicted", "alpha": "kl_alpha", "budget": "kl_budget", "skipped": "kl_skipped",
+                     "mismatch": "kl_mismatch"}
 
 
 class TrainState(NamedTuple):
@@ -32,8 +43,17 @@ class TrainState(NamedTuple):
     step: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class KLProbeConfig:
+    """Predicted-KL probing inside the step: sampling temperature and positions per chunk."""
+
+    temperature: float = 1.0
+    chunk: int = 256
+
+
 def split_microbatches(batch: Mapping[str, jax.Array], microbatches: int) -> dict[str, jax.Array]:
-    """[B, ...] leaves → [M, B/M, ...]; B must be divisible by M."""
+    """[B, ...] leaves → [M, B/M, ...] with rows interleaved (microbatch m holds rows m, m + M, ...), so each
+    microbatch spreads evenly over the data-parallel shards of a batch sharded on its rows; B % M == 0."""
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     out = {}
@@ -41,20 +61,20 @@ def split_microbatches(batch: Mapping[str, jax.Array], microbatches: int) -> dic
         if x.shape[0] % microbatches:
             raise ValueError(f"batch[{name!r}] has leading size {x.shape[0]}, not divisible by "
                              f"microbatches={microbatches}")
-        out[name] = x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+        out[name] = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
     return out
 
 
 def accumulate_grads(value_and_grad: Callable[[Mapping[str, jax.Array]], tuple[tuple[jax.Array, Any], Any]],
                      batch: Mapping[str, jax.Array], microbatches: int) -> tuple[jax.Array, Any, Any]:
-    """Mean loss, float32 mean gradients and the last microbatch's aux over `microbatches` slices of `batch`.
+    """Mean loss, float32 mean gradients and mean aux metrics over `microbatches` slices of `batch`.
 
     value_and_grad(microbatch) -> ((loss, aux), grads). Gradients are summed in float32 inside a lax.scan (only
     one microbatch's activations are alive at a time) and divided by the number of microbatches.
     """
     mbs = split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda x: x[0], mbs)
-    (_, aux_shape), grad_shape = jax.eval_shape(value_and_grad, first)
+    _, grad_shape = jax.eval_shape(value_and_grad, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grad_shape)
 
     def body(carry, mb):
@@ -63,34 +83,51 @@ def accumulate_grads(value_and_grad: Callable[[Mapping[str, jax.Array]], tuple[t
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         return (acc, loss_sum + loss.astype(jnp.float32)), aux
 
-    del aux_shape
     (acc, loss_sum), auxs = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
     grads = jax.tree.map(lambda a: a / microbatches, acc)
-    return loss_sum / microbatches, grads, jax.tree.map(lambda x: x[-1], auxs)
+    return loss_sum / microbatches, grads, jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), auxs)
 
 
-def make_dense_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *,
-                          microbatches: int = 1, trainable: Callable[[tuple, Any], bool] | None = None,
-                          apply_updates: Callable[[Any, Any], Any] = optax.apply_updates):
-    """Train step with dense gradients of the trainable parameters (all nnx.Params by default).
+def _flat(state: Any) -> dict[str, jax.Array]:
+    return {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *,
+                    mode: Literal["dense", "sketch_native"] = "dense", microbatches: int = 1,
+                    trainable: Trainable | None = None, targets: Mapping[str, Target] | None = None,
+                    spec: SketchSpec | None = None, round_bf16: bool = False,
+                    kl_probe: KLProbeConfig | None = None):
+    """Build the train step.
 
     Args:
-      graphdef: the model's graph definition (from `nnx.split(model, nnx.Param, ...)`).
+      graphdef: the model's graph definition from `nnx.split(model, nnx.Param, ...)` (with sketch probes attached
+        for mode "sketch_native" or for predicted-KL probing).
       loss_fn: (model, microbatch) -> (scalar loss, aux metrics).
-      tx: any optax transformation over the parameter state (frozen leaves get zero gradients).
-      microbatches: number of gradient-accumulation slices of the batch.
-      trainable: nnx filter predicate (path, variable) -> bool selecting the trained params; None = all.
-      apply_updates: how updates merge into params (logra_jax.optim.apply_updates for low-rank updates).
+      tx: any optax transformation over the parameter state (apply with logra_jax.optim.apply_updates, which
+        also merges low-rank updates).
+      mode: "dense" (dense gradients of the trainable params) or "sketch_native" (sketches for targets).
+      microbatches: gradient-accumulation slices of the batch.
+      trainable: nnx filter predicate (path, variable) -> bool. Dense mode: the params that get gradients (None =
+        all; the rest get zero updates). Sketch-native mode: the non-target params trained densely (None = none).
+      targets, spec, round_bf16: for mode "sketch_native": the targets and SketchSpec from
+        `attach_sketch_probes`, and the round_bf16 flag of tx's scale_by_sketch.
+      kl_probe: probe the predicted KL of each update (tx must contain scale_by_predicted_kl); the step then
+        takes `probe={'tokens', 'attention_mask', 'kl_mask'}` and reports the realised KL.
 
     Returns:
-      step(state: TrainState, rest: nnx.State, batch, **extra) -> (TrainState, metrics dict).
+      step(state: TrainState, rest: nnx.State, batch, *, probe=None, **extra) -> (TrainState, metrics dict).
+
+    Raises:
+      ValueError: an unknown mode, or sketch-native mode without targets and spec.
     """
-    def step(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array], **extra: Any):
+    if mode not in ("dense", "sketch_native"):
+        raise ValueError(f"make_train_step: mode must be 'dense' or 'sketch_native', got {mode!r}")
+    if mode == "sketch_native" and (targets is None or spec is None):
+        raise ValueError("make_train_step: mode='sketch_native' needs the targets and spec of attach_sketch_probes")
+
+    def dense_grads(state: TrainState, rest: nnx.State, batch):
         params = state.params
-        if trainable is None:
-            train, frozen = params, None
-        else:
-            train, frozen = nnx.split_state(params, trainable, ...)
+        train, frozen = (params, None) if trainable is None else nnx.split_state(params, trainable, ...)
 
         def value_and_grad(mb):
             def loss_of(train_params):
@@ -99,76 +136,64 @@ def make_dense_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.Gra
             return jax.value_and_grad(loss_of, has_aux=True)(train)
 
         loss, grads, aux = accumulate_grads(value_and_grad, batch, microbatches)
+        metrics = {"grad_norm": optax.global_norm(grads)}
         if frozen is not None:
             grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, frozen))
-        updates, opt_state = tx.update(grads, state.opt_state, params, **extra)
-        new_params = apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
-        return TrainState(new_params, opt_state, state.step + 1), metrics
+        return loss, grads, {**aux, **metrics}
 
-    return step
-
-
-def make_sketch_native_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation,
-                                  targets: Mapping[str, Target], spec: SketchSpec, *, microbatches: int = 1,
-                                  round_bf16: bool = False, trainable: Callable[[tuple, Any], bool] | None = None):
-    """Train step whose target layers deliver sketches S = Hᵀ(X Aᵀ) directly (no dense target gradient).
-
-    The model must carry sketch probes (`logra_jax.optim.attach_sketch_probes(model, spec)`) and be split as
-    `graphdef, params, rest = nnx.split(model, nnx.Param, ...)` (probes and digests live in `rest`). Per
-    microbatch, `jax.grad` with respect to the zero probes (and the trainable non-target params, if any) runs
-    inside `sketching(state.step)`; sketches accumulate in float32. Target updates enter `tx` as LowRankUpdate
-    leaves (factor = S, step = state.step), which `scale_by_sketch` passes through, so the chain from RowAdam
-    on is the same code as in dense-gradient mode. Frozen non-targets get zero updates.
-
-    Args:
-      graphdef, loss_fn, tx, microbatches: as in `make_dense_train_step`.
-      targets: the targets `attach_sketch_probes` returned.
-      spec: the sketch settings `attach_sketch_probes` used (must match tx's scale_by_sketch settings).
-      round_bf16: the round_bf16 flag of the produced LowRankUpdates (must match tx's).
-      trainable: predicate (path, variable) -> bool for non-target params trained densely; None = none.
-
-    Returns:
-      step(state: TrainState, rest: nnx.State, batch, **extra) -> (TrainState, metrics dict).
-    """
-    probe_path = {t: t.rsplit(".", 1)[0] + ".sketch_probe" for t in targets}
-
-    def step(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array], **extra: Any):
+    def sketch_grads(state: TrainState, rest: nnx.State, batch):
         params = state.params
         probes, others = nnx.split_state(rest, SketchProbe, ...)
-        if trainable is None:
-            train, frozen = None, params
-        else:
-            train, frozen = nnx.split_state(params, trainable, ...)
+        train, frozen = (None, params) if trainable is None else nnx.split_state(params, trainable, ...)
 
         def value_and_grad(mb):
             def loss_of(diff):
                 probe_values, train_params = diff
                 full = frozen if train_params is None else nnx.merge_state(train_params, frozen)
                 with sketching(state.step):
-                    model = nnx.merge(graphdef, full, nnx.merge_state(probe_values, others))
-                    return loss_fn(model, mb)
+                    return loss_fn(nnx.merge(graphdef, full, nnx.merge_state(probe_values, others)), mb)
             return jax.value_and_grad(loss_of, has_aux=True)((probes, train))
 
-        loss, (sketch_grads, train_grads), aux = accumulate_grads(value_and_grad, batch, microbatches)
-        sketches = {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(sketch_grads)}
-        dense = {} if train_grads is None else {
-            path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(train_grads)}
+        loss, (sketch_tree, train_grads), aux = accumulate_grads(value_and_grad, batch, microbatches)
+        sketches = _flat(sketch_tree)
+        dense = {} if train_grads is None else _flat(train_grads)
+        metrics = {"sketch_norm": optax.global_norm(list(sketches.values()))}
+        if dense:
+            metrics["grad_norm"] = optax.global_norm(list(dense.values()))
 
         def update_leaf(keypath, p):
             path = path_str(keypath)
             if path in targets:
-                return LowRankUpdate(sketches[probe_path[path]], state.step, target=targets[path],
-                                     base_seed=spec.base_seed, rank=spec.rank, distribution=spec.distribution,
-                                     refresh=spec.refresh, round_bf16=round_bf16)
+                return LowRankUpdate(sketches[path.rsplit(".", 1)[0] + ".sketch_probe"], state.step,
+                                     target=targets[path], base_seed=spec.base_seed, rank=spec.rank,
+                                     distribution=spec.distribution, refresh=spec.refresh, round_bf16=round_bf16)
             return dense[path] if path in dense else jnp.zeros_like(p)
 
-        grads = jax.tree_util.tree_map_with_path(update_leaf, params)
-        updates, opt_state = tx.update(grads, state.opt_state, params, **extra)
-        new_params = apply_lowrank_updates(params, updates)
-        metrics = {"loss": loss, "sketch_norm": optax.global_norm(list(sketches.values())), **aux}
-        if dense:
-            metrics["grad_norm"] = optax.global_norm(list(dense.values()))
+        return loss, jax.tree_util.tree_map_with_path(update_leaf, params), {**aux, **metrics}
+
+    gradients = sketch_grads if mode == "sketch_native" else dense_grads
+
+    def step(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array], *,
+             probe: Mapping[str, jax.Array] | None = None, **extra: Any):
+        loss, grads, metrics = gradients(state, rest, batch)
+        if kl_probe is not None:
+            if probe is None:
+                raise ValueError("train step built with kl_probe needs probe={'tokens', 'attention_mask', 'kl_mask'}")
+            extra["kl_probe"] = make_kl_probe(graphdef, state.params, rest, state.step, probe,
+                                              kl_probe.temperature, kl_probe.chunk)
+            if "rollout_mismatch" in metrics:  # measured by the RL objective; feeds the controller's EMA
+                extra.setdefault("rollout_mismatch", metrics["rollout_mismatch"])
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+        new_params = apply_lowrank_updates(state.params, updates)
+        metrics = {"loss": loss, **metrics}
+        for field, name in _KL_STATE_METRICS.items():
+            value = optax.tree_utils.tree_get(opt_state, field)
+            if value is not None:
+                metrics[name] = value
+        if kl_probe is not None:
+            kl_sum, count = realised_kl(graphdef, state.params, new_params, rest, probe, kl_probe.temperature,
+                                        kl_probe.chunk)
+            metrics["kl_realised"] = kl_sum / jnp.maximum(count, 1.0)
         return TrainState(new_params, opt_state, state.step + 1), metrics
 
     return step
@@ -186,3 +211,4 @@ def next_token_loss(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
     loss = jnp.sum(nll * mask) / jnp.maximum(mask.sum(), 1.0)
     return loss, {"tokens": mask.sum()}
+

@@ -1,18 +1,18 @@
 """logra(...): the LoGRA optimizer as one optax GradientTransformation (LOGRA.md §1–§4).
 
-  targets:      chain(scale_by_sketch, scale_by_row_adam, <step size>, negation)
+  targets:      chain(scale_by_sketch, scale_by_row_adam, <step size>, [scale_by_predicted_kl], negation)
                   paper / sgd: <step size> = scale_by_update_ratio(update_ratio), negation = scale_lowrank(−1)
                   nemo:        add_decayed_weights_lowrank(weight_decay), scale_lowrank(−lr)
   non-targets:  non_target_tx (default optax.set_to_zero(): frozen, the paper's recipe)
 routed by optax.partition with labels "logra" / "non_target" from the target rules. Updates of targets are
 LowRankUpdate leaves: merge them with `logra_jax.optim.apply_updates`, not optax.apply_updates.
-Keyword extra args given to `update` reach every transform in the chain (a later scale_by_predicted_kl goes
-just before the negation).
+Keyword extra args given to `update` reach every transform in the chain: with `kl_control`, the predicted-KL
+step control (LOGRA.md §5) sits just before the negation and takes `kl_probe=` / `kl_prediction=`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,6 +20,7 @@ import optax
 
 from logra_jax.optim.lowrank import is_lowrank
 from logra_jax.optim.lowrank_scale import add_decayed_weights_lowrank, scale_lowrank
+from logra_jax.optim.predicted_kl import scale_by_predicted_kl
 from logra_jax.optim.projection import Distribution
 from logra_jax.optim.row_adam import Variant, scale_by_row_adam
 from logra_jax.optim.sketch import scale_by_sketch
@@ -55,7 +56,8 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
           lr: float | optax.Schedule | None = None, weight_decay: float = 0.0,
           rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES,
           non_target_tx: optax.GradientTransformation | None = None,
-          round_bf16: bool = True) -> optax.GradientTransformationExtraArgs:
+          round_bf16: bool = True,
+          kl_control: Mapping[str, Any] | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
     Per target layer l (LOGRA.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
@@ -77,6 +79,8 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       rules: TargetRule sequence choosing the targets.
       non_target_tx: transformation for non-target parameters; None freezes them (optax.set_to_zero()).
       round_bf16: round the final factor to bf16 when merging (the paper's wire format).
+      kl_control: None, or keyword arguments of `scale_by_predicted_kl` ({} for its defaults) to scale each step
+        to a predicted-KL budget; `update` then needs `kl_probe=fn(updates)` or `kl_prediction=(q_sum, count)`.
 
     Returns:
       An optax.GradientTransformationExtraArgs (an optax.partition; extra args flow to every transform).
@@ -101,19 +105,23 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
     if variant == "nemo":
         if lr is None:
             raise ValueError("logra: variant='nemo' needs a learning rate lr")
-        step_size = [add_decayed_weights_lowrank(weight_decay),
-                     scale_lowrank((lambda n: -lr(n)) if callable(lr) else -lr)]
+        step_size = [add_decayed_weights_lowrank(weight_decay)]
+        negation = scale_lowrank((lambda n: -lr(n)) if callable(lr) else -lr)
     else:
         if lr is not None:
             raise ValueError(f"logra: lr is only used by variant='nemo', got lr={lr!r} with variant={variant!r}")
         if isinstance(weight_decay, (int, float)) and weight_decay != 0:
             raise ValueError(f"logra: weight_decay is only used by variant='nemo', got {weight_decay!r} with "
                              f"variant={variant!r}")
-        step_size = [scale_by_update_ratio(update_ratio), scale_lowrank(-1.0)]
+        step_size = [scale_by_update_ratio(update_ratio)]
+        negation = scale_lowrank(-1.0)
+    if kl_control is not None:
+        step_size.append(scale_by_predicted_kl(**kl_control))
     target_tx = optax.chain(
         scale_by_sketch(rank, base_seed, distribution, refresh, rules, round_bf16),
         scale_by_row_adam(variant, b2, eps, rules),
         *step_size,
+        negation,
     )
     frozen = optax.set_to_zero() if non_target_tx is None else non_target_tx
     return optax.partition({TARGET_LABEL: target_tx, NON_TARGET_LABEL: frozen},

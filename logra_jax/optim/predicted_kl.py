@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from logra_jax.optim.lowrank import LowRankUpdate
+from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
 from logra_jax.optim.sketch_native import SketchProbe, sketching
 
 
@@ -246,3 +246,24 @@ def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, st
         return predicted_kl_terms(hidden, dhidden, head, probe["kl_mask"], temperature, chunk)
 
     return kl_probe
+
+
+def realised_kl(graphdef: nnx.GraphDef, params: nnx.State, new_params: nnx.State, rest: nnx.State,
+                probe: Mapping[str, jax.Array], temperature: float = 1.0, chunk: int = 256
+                ) -> tuple[jax.Array, jax.Array]:
+    """(Σ_t KL_t, #t): exact KL(π_params ‖ π_new_params) at the probed positions (probe as in `make_kl_probe`)."""
+    old = nnx.merge(graphdef, params, rest)
+    h_old = old.features(probe["tokens"], attention_mask=probe["attention_mask"])
+    h_new = nnx.merge(graphdef, new_params, rest).features(probe["tokens"], attention_mask=probe["attention_mask"])
+    return realised_kl_terms(h_old, h_new, old.head_weight(), probe["kl_mask"], temperature, chunk)
+
+
+def predicted_and_realised_kl(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, step: jax.Array,
+                              updates: Any, probe: Mapping[str, jax.Array], temperature: float = 1.0,
+                              chunk: int = 256) -> tuple[jax.Array, jax.Array]:
+    """(predicted q, realised KL) per probed token for applying `updates` (LowRankUpdates, apply_updates) to
+    `params`: the quadratic prediction and the exact KL(π_before ‖ π_after) on the same positions."""
+    q_sum, count = make_kl_probe(graphdef, params, rest, step, probe, temperature, chunk)(updates)
+    kl_sum, _ = realised_kl(graphdef, params, apply_updates(params, updates), rest, probe, temperature, chunk)
+    denom = jnp.maximum(count, 1.0)
+    return q_sum / denom, kl_sum / denom
