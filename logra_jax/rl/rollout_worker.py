@@ -1,0 +1,453 @@
+"""The rollout side of policy sync: `RolloutWeights` (float32 masters kept bitwise equal to the trainer's by the
+payloads of logra_jax.rl.sync) and the engine around them, in-process (colocated) or in a worker process.
+
+Both transports expose the same calls, so an RL loop switches with one setting (`rollout_engine(workers=0|1)`):
+sync(payload | bytes) -> SyncReply; generate(prompts, prompt_mask, key) -> Rollout (logra_jax.rl.sampler, on the
+engine's current weights); fetch() -> (version, {path: array}); counts(); close().
+The worker (`python -m logra_jax.rl.rollout_worker --connect HOST:PORT`) connects back to a loopback socket the
+trainer listens on, receives the model and sampling configs and the JAX numerics flags that must match the
+trainer's (default matmul precision, threefry partitioning, x64), then serves one request at a time. Frames:
+u64 little-endian length, an op byte, a body framed by `logra_jax.rl.sync.pack` (a sync carries the payload's own
+bytes); replies are packed {"ok": ...} frames. The worker runs on the trainer's platform by default (bitwise sync
+needs the same backend on both ends) and, on CPU, on one device whatever XLA_FLAGS asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.decoder import abstract_model
+from logra_jax.optim.lowrank import apply_updates
+from logra_jax.optim.targets import path_str
+from logra_jax.rl.sampler import Rollout, Sampler, SamplingConfig
+from logra_jax.rl.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack, weight_fingerprint
+
+_OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
+_OP_NAMES = {v: k for k, v in _OPS.items()}
+_JAX_FLAGS = ("jax_default_matmul_precision", "jax_threefry_partitionable", "jax_enable_x64")
+
+
+class WorkerError(RuntimeError):
+    """The rollout worker process failed to start, died, or reported an error (message carries its log)."""
+
+
+_apply = jax.jit(apply_updates, donate_argnums=0)
+
+
+class RolloutWeights:
+    """The rollout engine's float32 masters, kept bitwise equal to the trainer's through payloads.
+
+    Example:
+      >>> from logra_jax.rl.sync import snapshot_payload
+      >>> params = {"q_proj": {"kernel": jnp.ones((4, 8))}}
+      >>> rollout = RolloutWeights(jax.eval_shape(lambda: params))
+      >>> rollout.receive(snapshot_payload(params, 0)).status
+      'loaded'
+    """
+
+    def __init__(self, abstract_params: Any):
+        """abstract_params: the parameter tree with ShapeDtypeStruct (or array) leaves: structure, shapes, dtypes."""
+        self._abstract = abstract_params
+        self._shapes = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_params(abstract_params).items()}
+        self.params: Any = None
+        self.version: int | None = None
+        self.counts = {"applied": 0, "loaded": 0, "stale": 0, "resync": 0}
+        self._clock: dict[str, float] = {}
+
+    def _lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._clock[phase] = now - self._clock.pop("_last", now)
+        self._clock["_last"] = now
+
+    def receive(self, payload: SyncPayload | bytes | bytearray | memoryview) -> SyncReply:
+        """Check and apply a payload (or its bytes); see the module docstring for the rules."""
+        self._clock = {"_last": time.perf_counter()}
+        try:
+            if not isinstance(payload, SyncPayload):
+                payload = SyncPayload.from_bytes(payload)
+            payload.verify()
+            self._check_structure(payload)
+            updates = None if payload.kind == "snapshot" else jax.tree_util.tree_map_with_path(
+                lambda k, _: self._update_of(payload, path_str(k)), self._abstract)
+        except ValueError as err:  # PayloadError, or factors that do not fit their targets
+            return self._reply("resync", f"rejected payload: {err}")
+        self._lap("check")
+        if payload.kind == "snapshot":
+            self.params = jax.block_until_ready(jax.tree_util.tree_map_with_path(
+                lambda k, _: jnp.asarray(payload.weights[path_str(k)]), self._abstract))
+            return self._commit(payload, "loaded")
+        if self.version is None:
+            return self._reply("resync", f"delta {payload.version} received before any snapshot")
+        if payload.version <= self.version:
+            return self._reply("stale", f"delta {payload.version} is not newer than {self.version}")
+        if payload.parent != self.version:
+            return self._reply("resync", f"version gap: holding {self.version}, delta {payload.version} applies to "
+                                         f"{payload.parent}")
+        self.params = jax.block_until_ready(_apply(self.params, updates))
+        return self._commit(payload, "applied")
+
+    @staticmethod
+    def _update_of(payload: SyncPayload, path: str) -> Any:
+        if path in payload.factors:
+            return payload.factors[path].update(path)
+        return jnp.asarray(payload.dense[path]) if path in payload.dense else None
+
+    def _check_structure(self, payload: SyncPayload) -> None:
+        if payload.kind == "snapshot":
+            got = {p: (a.shape, a.dtype) for p, a in payload.weights.items()}
+            if got != self._shapes:
+                bad = sorted(set(got.items()) ^ set(self._shapes.items()))[:4]
+                raise PayloadError(f"snapshot parameters differ from the rollout model's, e.g. {bad}")
+        shapes = [("target", p, tuple(f.shape)) for p, f in payload.factors.items()]
+        for kind, p, shape in shapes + [("dense update", p, a.shape) for p, a in payload.dense.items()]:
+            if self._shapes.get(p, (None,))[0] != shape:
+                raise PayloadError(f"{kind} {p!r} with shape {shape} is not a rollout parameter of that shape")
+        if set(payload.fingerprint) != set(self._shapes):
+            raise PayloadError("the fingerprint does not cover exactly the rollout model's parameters")
+
+    def _commit(self, payload: SyncPayload, status: str) -> SyncReply:
+        self._lap("apply")
+        ours = weight_fingerprint(self.params)
+        self._lap("fingerprint")
+        drifted = [p for p, w in payload.fingerprint.items() if ours[p] != tuple(w)]
+        if drifted:
+            self.version = None  # unsynchronised: only a snapshot is accepted from here
+            return self._reply("resync", f"weight fingerprint mismatch after {payload.kind} {payload.version} in "
+                                         f"{len(drifted)} leaves, e.g. {drifted[:3]}")
+        self.version = payload.version
+        return self._reply(status)
+
+    def _reply(self, status: str, reason: str = "") -> SyncReply:
+        self.counts[status] += 1
+        self._clock.pop("_last", None)
+        return SyncReply(status, self.version, reason, self._clock)
+
+
+class RolloutWorker:
+    """The engine: synchronised weights plus a sampler over them; what the worker process hosts.
+
+    Example:
+      >>> from logra_jax.models.config import preset
+      >>> worker = RolloutWorker(preset("tiny"), SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0))
+      >>> worker.weights.version is None      # nothing until the bootstrap snapshot
+      True
+    """
+
+    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig):
+        self.sampler = Sampler(abstract_model(model_config), sampling)
+        self.weights = RolloutWeights(self.sampler.state)
+
+    def sync(self, payload: SyncPayload | bytes) -> SyncReply:
+        return self.weights.receive(payload)
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array) -> Rollout:
+        """Sample with the current weights. Raises RuntimeError before the first snapshot."""
+        if self.weights.params is None:
+            raise RuntimeError("RolloutWorker.generate: no weights yet (send a snapshot first)")
+        return self.sampler(jnp.asarray(prompts), jnp.asarray(prompt_mask), key, state=self.weights.params)
+
+    def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
+        params = self.weights.params
+        return self.weights.version, {} if params is None else jax.device_get(flat_params(params))
+
+    def counts(self) -> dict[str, int]:
+        """Receiver outcomes so far: applied, loaded, stale, resync."""
+        return dict(self.weights.counts)
+
+    def close(self) -> None:
+        self.weights.params = None
+
+    def __enter__(self) -> RolloutWorker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class InProcessTransport(RolloutWorker):
+    """Colocated engine: the RolloutWorker in the trainer's process, with its own float32 copy of the weights."""
+
+
+def _send(sock: socket.socket, op: bytes, body: bytes | memoryview = b"") -> None:
+    sock.sendall(struct.pack("<Q", len(body) + 1) + op)
+    sock.sendall(body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> memoryview:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection ({got} of {n} bytes received)")
+        got += k
+    return view
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, memoryview]:
+    (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+    frame = _recv_exact(sock, size)
+    return bytes(frame[:1]), frame[1:]
+
+
+def _key_arrays(key: jax.Array) -> tuple[str | None, np.ndarray]:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(key)), np.asarray(jax.random.key_data(key))
+    return None, np.asarray(key)
+
+
+def _worker_env(platform: str) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS=platform)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
+class WorkerProcessTransport:
+    """A rollout worker process on this host, driven over a loopback TCP socket.
+
+    Args:
+      model_config, sampling: the rollout model's config (weights come by snapshot) and sampling settings.
+      platform: JAX platform of the worker; None = this process's default backend.
+      env: extra environment variables for the worker (e.g. CUDA_VISIBLE_DEVICES to give it its own GPU).
+      start_timeout_s: how long the worker may take to connect and build its model.
+      request_timeout_s: how long one request may take.
+
+    Raises:
+      WorkerError: the worker exits or does not come up within `start_timeout_s` (with its log).
+
+    Example:
+      >>> from logra_jax.models.config import preset
+      >>> sampling = SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0)
+      >>> with WorkerProcessTransport(preset("tiny"), sampling) as engine:  # doctest: +SKIP
+      ...     sync = PolicySync(engine.sync, params)          # bootstrap snapshot, then sync.push(...) per update
+      ...     rollout = engine.generate(prompts, prompt_mask, jax.random.key(0))
+    """
+
+    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, *, platform: str | None = None,
+                 env: Mapping[str, str] | None = None, start_timeout_s: float = 120.0,
+                 request_timeout_s: float = 600.0):
+        self.request_timeout_s = request_timeout_s
+        self._log = Path(tempfile.mkstemp(prefix="rollout_worker_", suffix=".log")[1])
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        with self._log.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "logra_jax.rl.rollout_worker", "--connect", f"127.0.0.1:{port}"],
+                env={**_worker_env(platform or jax.default_backend()), **(env or {})}, stdout=log,
+                stderr=subprocess.STDOUT)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
+        try:
+            self._sock = self._accept(listener, start_timeout_s)
+        finally:
+            listener.close()
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._sock, self._log)
+        flags = {name: getattr(jax.config, name) for name in _JAX_FLAGS}
+        self._request("hello", pack({"model": dataclasses.asdict(model_config),
+                                     "sampling": dataclasses.asdict(sampling), "jax_config": flags}, {}),
+                      timeout_s=start_timeout_s)
+
+    def _accept(self, listener: socket.socket, timeout_s: float) -> socket.socket:
+        listener.settimeout(0.5)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise WorkerError(f"rollout worker exited with code {self._proc.returncode} before connecting:\n"
+                                  f"{self.log_tail()}")
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        _stop(self._proc, None, None, grace_s=0.0)
+        raise WorkerError(f"rollout worker did not connect within {timeout_s} s:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        """The worker's process id."""
+        return self._proc.pid
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the worker's stdout/stderr log."""
+        try:
+            return self._log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def _request(self, op: str, body: bytes | memoryview = b"", timeout_s: float | None = None
+                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        if self._sock is None:
+            raise WorkerError("rollout worker transport is closed")
+        self._sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
+        try:
+            _send(self._sock, _OPS[op], body)
+            _, reply = _recv(self._sock)
+        except (OSError, ConnectionError) as err:
+            try:  # a worker that dropped the connection is usually on its way out: let it finish
+                code = self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                code = None
+            state = "was still running (killed)" if code is None else f"exited with code {code}"
+            message = f"rollout worker {op!r} request failed ({err!r}); the worker {state}:\n{self.log_tail()}"
+            self._proc.kill()  # the stream is out of step now: this transport is done
+            self._finalizer()
+            self._sock = None
+            raise WorkerError(message) from err
+        meta, arrays = unpack(reply)
+        if not meta.get("ok"):
+            raise WorkerError(f"rollout worker {op!r} request failed: {meta.get('error')}\n{meta.get('traceback')}")
+        return meta, arrays
+
+    def sync(self, payload: SyncPayload | bytes) -> SyncReply:
+        data = payload.to_bytes() if isinstance(payload, SyncPayload) else payload
+        meta, _ = self._request("sync", data)
+        return SyncReply(meta["status"], meta["version"], meta["reason"], meta["seconds"])
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array) -> Rollout:
+        impl, key_data = _key_arrays(key)
+        body = pack({"key_impl": impl}, {"prompts": np.asarray(prompts, np.int32),
+                                         "prompt_mask": np.asarray(prompt_mask, bool), "key": key_data})
+        _, arrays = self._request("generate", body)
+        return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
+
+    def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
+        meta, arrays = self._request("fetch")
+        return meta["version"], {name: np.array(a) for name, a in arrays.items()}
+
+    def counts(self) -> dict[str, int]:
+        """Receiver outcomes so far: applied, loaded, stale, resync."""
+        return self._request("counts")[0]["counts"]
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to exit; kill it if it has not within `timeout_s`. Idempotent."""
+        if self._sock is not None:
+            try:
+                self._sock.settimeout(timeout_s)
+                _send(self._sock, _OPS["shutdown"])
+                _recv(self._sock)
+            except (OSError, ConnectionError):
+                pass
+        self._finalizer()
+        self._sock = None
+
+    def __enter__(self) -> WorkerProcessTransport:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _stop(proc: subprocess.Popen, sock: socket.socket | None, log: Path | None, grace_s: float = 10.0) -> None:
+    """Close the socket, give the worker `grace_s` to exit (it does once the trainer hangs up), then kill it."""
+    if sock is not None:
+        sock.close()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if log is not None:
+        log.unlink(missing_ok=True)
+
+
+def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig,
+                   **options: Any) -> InProcessTransport | WorkerProcessTransport:
+    """The rollout engine for `config.rollout.workers`: 0 = colocated, 1 = a worker process (options go to it).
+
+    Example:
+      >>> from logra_jax.models.config import preset
+      >>> engine = rollout_engine(0, preset("tiny"), SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0))
+      >>> type(engine).__name__
+      'InProcessTransport'
+    """
+    if workers == 0:
+        if options:
+            raise ValueError(f"rollout_engine: options {sorted(options)} only apply to workers=1")
+        return InProcessTransport(model_config, sampling)
+    if workers == 1:
+        return WorkerProcessTransport(model_config, sampling, **options)
+    raise ValueError(f"rollout_engine: workers must be 0 (colocated) or 1 (worker process), got {workers!r}")
+
+
+def _handle(worker: RolloutWorker | None, op: str, body: memoryview
+            ) -> tuple[RolloutWorker | None, dict[str, Any], Mapping[str, np.ndarray]]:
+    if op == "hello":
+        meta, _ = unpack(body)
+        for name, value in meta["jax_config"].items():
+            jax.config.update(name, value)
+        return RolloutWorker(ModelConfig(**meta["model"]), SamplingConfig(**meta["sampling"])), {}, {}
+    if worker is None:
+        raise RuntimeError(f"request {op!r} before hello")
+    if op == "sync":
+        reply = worker.sync(body)
+        return worker, reply._asdict(), {}
+    if op == "generate":
+        meta, arrays = unpack(body)
+        key = jax.random.wrap_key_data(arrays["key"], impl=meta["key_impl"]) if meta["key_impl"] else arrays["key"]
+        out = worker.generate(arrays["prompts"], arrays["prompt_mask"], key)
+        return worker, {}, {name: np.asarray(v) for name, v in out._asdict().items()}
+    if op == "counts":
+        return worker, {"counts": worker.counts()}, {}
+    if op == "fetch":
+        version, params = worker.fetch()
+        return worker, {"version": version}, params
+    raise RuntimeError(f"unknown op {op!r}")
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer requests on `sock` until a shutdown request or the trainer hangs up (the worker's main loop)."""
+    worker = None
+    while True:
+        try:
+            code, body = _recv(sock)
+        except ConnectionError:
+            return
+        op = _OP_NAMES.get(code, repr(code))
+        if op == "shutdown":
+            _send(sock, b"R", pack({"ok": True}, {}))
+            return
+        try:
+            worker, meta, arrays = _handle(worker, op, body)
+            reply = pack({"ok": True, **meta}, arrays)
+        except Exception as err:  # reported to the trainer, which raises WorkerError; the worker keeps serving
+            reply = pack({"ok": False, "error": repr(err), "traceback": traceback.format_exc()}, {})
+        _send(sock, b"R", reply)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="LoGRA rollout worker (started by WorkerProcessTransport)")
+    parser.add_argument("--connect", required=True, help="HOST:PORT the trainer listens on")
+    args = parser.parse_args(argv)
+    host, port = args.connect.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        serve(sock)
+
+
+if __name__ == "__main__":
+    main()

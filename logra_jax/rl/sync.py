@@ -1,0 +1,424 @@
+"""Low-rank policy synchronization, trainer → rollout engine (LOGRA.md §6): payloads, wire format, trainer side.
+
+Per update the trainer ships, for every target, the factor exactly as its merge consumed it (bf16(U) when the
+update rounds to bf16, U = −α·D already carrying the sign, else U in float32), the seed triple's step and the
+static projection settings; trained non-targets ship their dense update; frozen ones ship nothing. The rollout
+side regenerates A_l from (base seed, step, "path.l") and runs the trainer's own merge,
+  W_l ← cast_W( (1 + c)·f32(W_l) + f32(bf16(U_l)) · A_l )        (logra_jax.optim.apply_updates, jitted),
+on its own float32 masters. Both ends hold float32 masters and feed identical float32 operands to the same
+jitted XLA computation, so on the same backend and JAX version the weights stay bitwise equal after any number
+of updates (the tests check this across processes). Anything else is detected, not assumed:
+- version chain: a delta carries `version` (trainer updates after it) and `parent` = version − 1; the receiver
+  applies it only on top of `parent`; a gap (missing or out-of-order payload) asks for a full resync, an
+  older one is dropped as stale;
+- payload checksum: BLAKE2b-256 over the canonical JSON header and every array's bytes (corruption);
+- weight fingerprint: per parameter leaf, two uint32 words computed on device, Σ_i b_i and Σ_i (2i+1)·b_i
+  (mod 2³²) over the leaf's bit patterns b_i in flat order. Any single changed element changes both words
+  (an odd multiple of a non-zero residue is non-zero mod 2³²) and swapped elements change the second; it costs
+  one read of the weights per update on device and 8 bytes per leaf on the wire, where hashing the weights on
+  the host would move all of them off the device every step. It guards against drift, not against an adversary.
+A mismatch of either leaves the receiver unsynchronised until the trainer sends a snapshot (every parameter,
+float32, with the same version, checksum and fingerprint), which is also the bootstrap. The receiving end is
+`logra_jax.rl.rollout_worker.RolloutWeights`; `PolicySync` is the sending end.
+
+Wire format (no pickle): b"LGRASYNC", u64 little-endian header length, UTF-8 JSON header {"meta", "arrays":
+[{name, dtype, shape, offset, nbytes}]}, then the raw little-endian array bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+from logra_jax.optim.targets import MatrixDims, Target, path_str
+
+FORMAT = "logra-sync/1"
+_MAGIC = b"LGRASYNC"
+_DTYPES = {name: np.dtype(jnp.dtype(name)) for name in
+           ("float32", "bfloat16", "float16", "int32", "uint32", "int8", "uint8", "bool")}
+
+
+class PayloadError(ValueError):
+    """A payload or frame that cannot be trusted: malformed, truncated or failing its checksum."""
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)."""
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def _header(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
+    table, offset = [], 0
+    for name, a in arrays.items():
+        if a.dtype.name not in _DTYPES:
+            raise TypeError(f"pack: array {name!r} has unsupported dtype {a.dtype} (supported: {sorted(_DTYPES)})")
+        table.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "offset": offset,
+                      "nbytes": a.nbytes})
+        offset += a.nbytes
+    header = json.dumps({"meta": meta, "arrays": table}, separators=(",", ":")).encode()
+    return _MAGIC + struct.pack("<Q", len(header)) + header
+
+
+def pack(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Frame a JSON-able `meta` dict and named arrays as bytes (see the module docstring); `unpack` inverts it.
+
+    Example:
+      >>> meta, arrays = unpack(pack({"a": 1}, {"x": np.arange(3, dtype=np.int32)}))
+      >>> meta, arrays["x"].tolist()
+      ({'a': 1}, [0, 1, 2])
+    """
+    arrays = {name: _contiguous(a) for name, a in arrays.items()}
+    blobs = [a.reshape(-1).view(np.uint8).data for a in arrays.values()]
+    return b"".join([_header(meta, arrays), *blobs])
+
+
+def unpack(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(meta, arrays) from `pack`'s bytes; arrays are read-only views into `data` (no copy).
+
+    Raises:
+      PayloadError: bad magic, truncated data, unreadable header or an array table that does not fit.
+    """
+    view = memoryview(data).cast("B")
+    start = len(_MAGIC) + 8
+    if len(view) < start or bytes(view[:len(_MAGIC)]) != _MAGIC:
+        raise PayloadError(f"frame does not start with {_MAGIC!r} (length {len(view)})")
+    (size,) = struct.unpack("<Q", view[len(_MAGIC):start])
+    if start + size > len(view):
+        raise PayloadError(f"header length {size} exceeds the frame ({len(view)} bytes)")
+    try:
+        header = json.loads(bytes(view[start:start + size]).decode())
+        body = view[start + size:]
+        arrays = {}
+        for entry in header["arrays"]:
+            lo, n = int(entry["offset"]), int(entry["nbytes"])
+            dtype, shape = _DTYPES[entry["dtype"]], tuple(int(s) for s in entry["shape"])
+            if lo < 0 or lo + n > len(body) or n != dtype.itemsize * int(np.prod(shape)):
+                raise PayloadError(f"array {entry['name']!r} ({n} bytes at {lo}) does not fit the frame")
+            arrays[entry["name"]] = np.frombuffer(body[lo:lo + n], dtype=dtype).reshape(shape)
+        return header["meta"], arrays
+    except PayloadError:
+        raise
+    except (ValueError, KeyError, TypeError) as err:  # includes JSON and UTF-8 decoding errors
+        raise PayloadError(f"unreadable frame header: {err!r}") from err
+
+
+def flat_params(tree: Any) -> dict[str, Any]:
+    """{canonical path: leaf} of a parameter tree (nnx.State, nested dicts, ...), in tree order."""
+    return {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The element bit patterns as uint32 (8-byte elements contribute two words each)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    narrow = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize)
+    if narrow is not None:
+        return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    """(Σ_i b_i, Σ_i (2i+1)·b_i) mod 2³² with x viewed as [R, M] (leading axis × the rest, a free view) and
+    i = row·M + m, via sums over the leading axis S_m = Σ_row b and V_m = Σ_row row·b (on CPUs these run at
+    copy speed, where a flat position-weighted reduction is several times slower):
+      Σ_i b_i = Σ_m S_m,     Σ_i (2i+1)·b_i = 2M·Σ_m V_m + Σ_m (2m+1)·S_m      (wrapping uint32)."""
+    b = _bits(x)
+    b = b.reshape(b.shape[0], -1) if b.ndim else b.reshape(1, 1)
+    num_rows, m = b.shape
+    s = jnp.sum(b, axis=0, dtype=jnp.uint32)
+    v = jnp.sum(jnp.arange(num_rows, dtype=jnp.uint32)[:, None] * b, axis=0, dtype=jnp.uint32)
+    weighted = jnp.uint32((2 * m) & 0xFFFFFFFF) * v + (2 * jnp.arange(m, dtype=jnp.uint32) + 1) * s
+    return jnp.stack([jnp.sum(s, dtype=jnp.uint32), jnp.sum(weighted, dtype=jnp.uint32)])
+
+
+_fingerprints = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
+
+
+def weight_fingerprint(params: Any) -> dict[str, tuple[int, int]]:
+    """Per leaf (Σ_i b_i, Σ_i (2i+1)·b_i) mod 2³² over the bit patterns b_i, computed on device.
+
+    Example:
+      >>> weight_fingerprint({"w": jnp.array([1.0, 2.0])})
+      {'w': (2139095040, 4286578688)}
+    """
+    flat = flat_params(params)
+    words = jax.device_get(_fingerprints(list(flat.values())))
+    return {path: (int(w[0]), int(w[1])) for path, w in zip(flat, words)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetFactor:
+    """One target's share of a delta: everything `LowRankUpdate` needs to be rebuilt on the rollout side.
+
+    Attributes:
+      factor: (*batch, *rows, r), bf16 when `round_bf16` (the merge's own rounding), else float32.
+      decay: None or the float32 scalar c of a decayed merge (NeMo variant).
+      step, base_seed, rank, distribution, refresh, round_bf16: the LowRankUpdate's fields.
+      shape, rows, width: the kernel's shape and its MatrixDims (normalised axes).
+    """
+
+    factor: np.ndarray
+    decay: np.ndarray | None
+    step: int
+    base_seed: int
+    rank: int
+    distribution: str
+    refresh: bool
+    round_bf16: bool
+    shape: tuple[int, ...]
+    rows: tuple[int, ...]
+    width: tuple[int, ...]
+
+    def meta(self) -> dict[str, Any]:
+        fields = ("step", "base_seed", "rank", "distribution", "refresh", "round_bf16", "shape", "rows", "width")
+        out = {f: getattr(self, f) for f in fields}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+    def update(self, path: str) -> LowRankUpdate:
+        """The LowRankUpdate this factor came from (factor widened to float32: exact for bf16)."""
+        rows, width = tuple(self.rows), tuple(self.width)
+        target = Target(path=path, keys=tuple(path.split(".")), shape=tuple(self.shape),
+                        dims=MatrixDims(rows=rows, width=width),
+                        batch_axes=tuple(a for a in range(len(self.shape)) if a not in rows + width))
+        decay = None if self.decay is None else jnp.asarray(self.decay, jnp.float32)
+        return LowRankUpdate(jnp.asarray(self.factor, jnp.float32), self.step, target=target,
+                             base_seed=self.base_seed, rank=self.rank, distribution=self.distribution,
+                             refresh=self.refresh, round_bf16=self.round_bf16, decay=decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPayload:
+    """What the trainer sends after an update (kind "delta") or to (re)start a rollout engine ("snapshot").
+
+    Attributes:
+      kind: "delta" or "snapshot".
+      version: trainer updates completed when the weights are those the payload leads to.
+      parent: version − 1 for a delta (the weights it applies to), None for a snapshot.
+      factors: delta: {target path: TargetFactor}.
+      dense: delta: {path: additive update} of trained non-targets (empty when they are frozen).
+      weights: snapshot: {path: value} of every parameter.
+      fingerprint: {path: (word, word)} of the trainer's weights at `version` (see `weight_fingerprint`).
+      checksum: BLAKE2b-256 hex digest of everything above, as `payload_checksum` computes it.
+    """
+
+    kind: Literal["delta", "snapshot"]
+    version: int
+    parent: int | None
+    factors: Mapping[str, TargetFactor]
+    dense: Mapping[str, np.ndarray]
+    weights: Mapping[str, np.ndarray]
+    fingerprint: Mapping[str, tuple[int, int]]
+    checksum: str
+
+    def parts(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(meta without the checksum, named arrays): the canonical content that is hashed and framed."""
+        meta = {"format": FORMAT, "kind": self.kind, "version": self.version, "parent": self.parent,
+                "targets": {p: f.meta() for p, f in self.factors.items()},
+                "fingerprint": {p: list(w) for p, w in self.fingerprint.items()}}
+        arrays = {f"factor/{p}": f.factor for p, f in self.factors.items()}
+        arrays |= {f"decay/{p}": f.decay for p, f in self.factors.items() if f.decay is not None}
+        arrays |= {f"dense/{p}": a for p, a in self.dense.items()}
+        arrays |= {f"weight/{p}": a for p, a in self.weights.items()}
+        return meta, arrays
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the framed payload (`to_bytes` length), computed without framing it."""
+        meta, arrays = self.parts()
+        return len(_header({**meta, "checksum": self.checksum}, arrays)) + sum(a.nbytes for a in arrays.values())
+
+    def to_bytes(self) -> bytes:
+        meta, arrays = self.parts()
+        return pack({**meta, "checksum": self.checksum}, arrays)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> SyncPayload:
+        """Parse a framed payload (checksum not yet verified: call `verify`). Raises PayloadError."""
+        meta, arrays = unpack(data)
+        try:
+            if meta["format"] != FORMAT or meta["kind"] not in ("delta", "snapshot"):
+                raise PayloadError(f"not a {FORMAT} payload: format {meta['format']!r}, kind {meta['kind']!r}")
+            factors = {}
+            for p, m in meta["targets"].items():
+                factors[p] = TargetFactor(
+                    factor=arrays[f"factor/{p}"], decay=arrays.get(f"decay/{p}"), step=int(m["step"]),
+                    base_seed=int(m["base_seed"]), rank=int(m["rank"]), distribution=str(m["distribution"]),
+                    refresh=bool(m["refresh"]), round_bf16=bool(m["round_bf16"]), shape=tuple(m["shape"]),
+                    rows=tuple(m["rows"]), width=tuple(m["width"]))
+            pick = lambda prefix: {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
+            return cls(kind=meta["kind"], version=int(meta["version"]), parent=meta["parent"], factors=factors,
+                       dense=pick("dense/"), weights=pick("weight/"),
+                       fingerprint={p: (int(w[0]), int(w[1])) for p, w in meta["fingerprint"].items()},
+                       checksum=str(meta["checksum"]))
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise PayloadError(f"malformed payload header: {err!r}") from err
+
+    def verify(self) -> None:
+        """Raise PayloadError unless `checksum` matches the content."""
+        got = payload_checksum(*self.parts())
+        if got != self.checksum:
+            raise PayloadError(f"checksum mismatch for {self.kind} version {self.version}: payload says "
+                               f"{self.checksum[:16]}…, content hashes to {got[:16]}…")
+
+
+def payload_checksum(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
+    """BLAKE2b-256 hex digest of canonical JSON `meta` and, in name order, each array's name, dtype, shape, bytes."""
+    h = hashlib.blake2b(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode(), digest_size=32)
+    for name in sorted(arrays):
+        a = _contiguous(arrays[name])
+        h.update(json.dumps([name, a.dtype.name, list(a.shape)]).encode())
+        h.update(a.reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def _sealed(**fields: Any) -> SyncPayload:
+    unsealed = SyncPayload(checksum="", **fields)
+    return dataclasses.replace(unsealed, checksum=payload_checksum(*unsealed.parts()))
+
+
+@jax.jit
+def _wire_factors(updates: list[LowRankUpdate]) -> list[tuple[jax.Array, jax.Array, jax.Array | None]]:
+    return [(u.factor.astype(jnp.bfloat16) if u.meta.round_bf16 else u.factor.astype(jnp.float32), u.step,
+             u.decay) for u in updates]
+
+
+def delta_payload(updates: Any, params: Any, version: int, *, trained: Collection[str] = ()) -> SyncPayload:
+    """The delta of one update: factors of the LowRankUpdate leaves of `updates`, dense updates of `trained`.
+
+    Args:
+      updates: the update tree the trainer merged (LowRankUpdate leaves for targets; arrays, None or
+        optax.MaskedNode elsewhere).
+      params: the trainer's parameters after the update (fingerprinted).
+      version: trainer updates completed after this one (≥ 1).
+      trained: paths of non-target parameters trained densely; other plain leaves are frozen and not sent.
+
+    Returns:
+      A sealed delta with parent = version − 1.
+
+    Raises:
+      ValueError: version < 1, a `trained` path missing from `updates` or holding a low-rank update.
+    """
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"delta_payload: version must be an int >= 1, got {version!r}")
+    leaves = jax.tree_util.tree_leaves_with_path(
+        updates, is_leaf=lambda x: x is None or is_lowrank(x) or isinstance(x, optax.MaskedNode))
+    flat = {path_str(k): v for k, v in leaves}
+    lowrank = {p: u for p, u in flat.items() if is_lowrank(u)}
+    for p in trained:
+        if p not in flat or is_lowrank(flat[p]) or flat[p] is None or isinstance(flat[p], optax.MaskedNode):
+            raise ValueError(f"delta_payload: trained path {p!r} has no dense update in `updates`")
+    wire, dense = jax.device_get((_wire_factors(list(lowrank.values())), {p: flat[p] for p in trained}))
+    factors = {}
+    for (p, u), (factor, step, decay) in zip(lowrank.items(), wire):
+        m, t = u.meta, u.meta.target
+        factors[p] = TargetFactor(factor=np.asarray(factor), decay=None if decay is None else np.asarray(decay),
+                                  step=int(step), base_seed=m.base_seed, rank=m.rank, distribution=m.distribution,
+                                  refresh=m.refresh, round_bf16=m.round_bf16, shape=t.shape, rows=t.dims.rows,
+                                  width=t.dims.width)
+    return _sealed(kind="delta", version=version, parent=version - 1, factors=factors,
+                   dense={p: np.asarray(a) for p, a in dense.items()}, weights={},
+                   fingerprint=weight_fingerprint(params))
+
+
+def snapshot_payload(params: Any, version: int) -> SyncPayload:
+    """A full snapshot of `params` (every leaf, its own dtype) at `version`, sealed."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"snapshot_payload: version must be an int >= 0, got {version!r}")
+    weights = {p: np.asarray(a) for p, a in jax.device_get(flat_params(params)).items()}
+    return _sealed(kind="snapshot", version=version, parent=None, factors={}, dense={}, weights=weights,
+                   fingerprint=weight_fingerprint(params))
+
+
+class SyncReply(NamedTuple):
+    """Receiver's answer: status "applied" (delta), "loaded" (snapshot), "stale" (ignored) or "resync" (with the
+    reason); the version it now holds (None: unsynchronised); its wall seconds per phase ("check": parse, checksum
+    and structure; "apply": merge or load; "fingerprint")."""
+
+    status: Literal["applied", "loaded", "stale", "resync"]
+    version: int | None
+    reason: str = ""
+    seconds: Mapping[str, float] | None = None
+
+
+class SyncError(RuntimeError):
+    """The rollout engine could not be brought in sync even by a full snapshot."""
+
+
+class SyncReport(NamedTuple):
+    """One publication: version, bytes sent (delta + any resync snapshot), wall seconds in all and of building the
+    delta on the trainer (factors to the host, fingerprint, checksum), the final reply, and why a resync happened
+    ("" when none did)."""
+
+    version: int
+    nbytes: int
+    seconds: float
+    build_seconds: float
+    reply: SyncReply
+    resync_reason: str
+
+
+class PolicySync:
+    """Trainer side: publishes each update as a delta, answers a resync request with a snapshot.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from logra_jax.rl.rollout_worker import RolloutWeights
+      >>> params = {"q_proj": {"kernel": jnp.ones((4, 8))}}
+      >>> rollout = RolloutWeights(jax.eval_shape(lambda: params))
+      >>> sync = PolicySync(rollout.receive, params)        # bootstrap snapshot at version 0
+      >>> rollout.version, sync.resyncs
+      (0, 0)
+    """
+
+    def __init__(self, receive: Callable[[SyncPayload | bytes], SyncReply], params: Any, *, version: int = 0,
+                 trained: Collection[str] = ()):
+        """receive: the engine's `sync` (a transport's, or `RolloutWeights.receive`); params: the trainer's weights
+        at `version`; trained: non-target paths trained densely (their updates are sent)."""
+        self._receive = receive
+        self.version = version
+        self.trained = tuple(trained)
+        self.resyncs = 0
+        self.bootstrap = self.send(snapshot_payload(params, version), params)
+
+    def push(self, updates: Any, params: Any) -> SyncReport:
+        """Publish the update that took the trainer from `self.version` to `self.version + 1` (params after it)."""
+        start = time.perf_counter()
+        payload = delta_payload(updates, params, self.version + 1, trained=self.trained)
+        self.version += 1
+        return self.send(payload, params, start)
+
+    def send(self, payload: SyncPayload | bytes, params: Any, start: float | None = None) -> SyncReport:
+        """Deliver a payload (or raw bytes); on a resync request deliver a snapshot of `params` at `self.version`.
+
+        `start` (a time.perf_counter() reading) marks when building the payload began; None = now.
+
+        Raises:
+          SyncError: the snapshot is not accepted either.
+        """
+        sent = time.perf_counter()
+        start = sent if start is None else start
+        nbytes = payload.nbytes if isinstance(payload, SyncPayload) else len(payload)
+        reply = self._receive(payload)
+        reason = ""
+        if reply.status == "resync":
+            reason = reply.reason
+            self.resyncs += 1
+            snapshot = snapshot_payload(params, self.version)
+            nbytes += snapshot.nbytes
+            reply = self._receive(snapshot)
+            if reply.status != "loaded":
+                raise SyncError(f"rollout engine refused the version {self.version} snapshot: {reply.reason} "
+                                f"(after: {reason})")
+        return SyncReport(self.version, nbytes, time.perf_counter() - start, sent - start, reply, reason)
