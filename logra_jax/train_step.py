@@ -31,7 +31,7 @@ LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mappin
 Trainable = Callable[[tuple, Any], bool]
 
 # Fields of the optimizer state reported as metrics when present (scale_by_predicted_kl's state).
-_KL_STATE_METRICS = {"q": "kl_predicted", "alpha": "kl_alpha", "budget": "kl_budget", "skipped": "kl_skipped",
+_KL_STATE_METRICS = {"q": "kl_q", "alpha": "kl_alpha", "budget": "kl_budget", "skipped": "kl_skipped",
                      "mismatch": "kl_mismatch"}
 
 
@@ -96,7 +96,7 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
                     mode: Literal["dense", "sketch_native"] = "dense", microbatches: int = 1,
                     trainable: Trainable | None = None, targets: Mapping[str, Target] | None = None,
                     spec: SketchSpec | None = None, round_bf16: bool = False,
-                    kl_probe: KLProbeConfig | None = None):
+                    kl_probe: KLProbeConfig | None = None, return_updates: bool = False):
     """Build the train step.
 
     Args:
@@ -113,9 +113,12 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
         `attach_sketch_probes`, and the round_bf16 flag of tx's scale_by_sketch.
       kl_probe: probe the predicted KL of each update (tx must contain scale_by_predicted_kl); the step then
         takes `probe={'tokens', 'attention_mask', 'kl_mask'}` and reports the realised KL.
+      return_updates: also return the merged update tree for policy sync: LowRankUpdate leaves for targets, dense
+        updates for densely trained params, None for frozen ones (so no full-size zeros leave the step).
 
     Returns:
-      step(state: TrainState, rest: nnx.State, batch, *, probe=None, **extra) -> (TrainState, metrics dict).
+      step(state: TrainState, rest: nnx.State, batch, *, probe=None, **extra) -> (TrainState, metrics dict)
+      [, updates].
 
     Raises:
       ValueError: an unknown mode, or sketch-native mode without targets and spec.
@@ -136,7 +139,7 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             return jax.value_and_grad(loss_of, has_aux=True)(train)
 
         loss, grads, aux = accumulate_grads(value_and_grad, batch, microbatches)
-        metrics = {"grad_norm": optax.global_norm(grads)}
+        metrics = {"grad_norm": optax.tree.norm(grads)}
         if frozen is not None:
             grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, frozen))
         return loss, grads, {**aux, **metrics}
@@ -157,9 +160,9 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
         loss, (sketch_tree, train_grads), aux = accumulate_grads(value_and_grad, batch, microbatches)
         sketches = _flat(sketch_tree)
         dense = {} if train_grads is None else _flat(train_grads)
-        metrics = {"sketch_norm": optax.global_norm(list(sketches.values()))}
+        metrics = {"sketch_norm": optax.tree.norm(list(sketches.values()))}
         if dense:
-            metrics["grad_norm"] = optax.global_norm(list(dense.values()))
+            metrics["grad_norm"] = optax.tree.norm(list(dense.values()))
 
         def update_leaf(keypath, p):
             path = path_str(keypath)
@@ -172,6 +175,17 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
         return loss, jax.tree_util.tree_map_with_path(update_leaf, params), {**aux, **metrics}
 
     gradients = sketch_grads if mode == "sketch_native" else dense_grads
+    if mode == "dense":
+        densely_trained = (lambda path: True) if trainable is None else (lambda path: trainable(path, None))
+    else:
+        densely_trained = (lambda path: False) if trainable is None else (lambda path: trainable(path, None))
+
+    def sync_view(updates: Any) -> Any:
+        def keep(keypath, u):
+            if isinstance(u, LowRankUpdate) or densely_trained(tuple(path_str(keypath).split("."))):
+                return u
+            return None
+        return jax.tree_util.tree_map_with_path(keep, updates, is_leaf=lambda x: isinstance(x, LowRankUpdate))
 
     def step(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array], *,
              probe: Mapping[str, jax.Array] | None = None, **extra: Any):
@@ -190,11 +204,14 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             value = optax.tree_utils.tree_get(opt_state, field)
             if value is not None:
                 metrics[name] = value
+        if "kl_q" in metrics:  # the predicted KL of the step actually applied: α²q
+            metrics["kl_predicted"] = metrics["kl_alpha"] ** 2 * metrics["kl_q"]
         if kl_probe is not None:
             kl_sum, count = realised_kl(graphdef, state.params, new_params, rest, probe, kl_probe.temperature,
                                         kl_probe.chunk)
             metrics["kl_realised"] = kl_sum / jnp.maximum(count, 1.0)
-        return TrainState(new_params, opt_state, state.step + 1), metrics
+        new_state = TrainState(new_params, opt_state, state.step + 1)
+        return (new_state, metrics, sync_view(updates)) if return_updates else (new_state, metrics)
 
     return step
 

@@ -27,6 +27,7 @@ from typing import Any
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging as absl_logging
 
 from logra_jax.rl.tasks import Problem, TaskSpec, generate_problem, math_problem
 
@@ -74,7 +75,8 @@ class GeneratedTasks(tfds.core.GeneratorBasedBuilder):
         self._splits = dict(splits)
         sizes = "-".join(f"{name}{n}" for name, n in self._splits.items())
         config = tfds.core.BuilderConfig(name=f"{spec.name}-{sizes}")
-        super().__init__(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
+        with _quiet_tfds():
+            super().__init__(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(builder=self, description=f"Generated {self._spec}", features=_features())
@@ -125,7 +127,8 @@ class JsonlTasks(tfds.core.GeneratorBasedBuilder):
                 raise ValueError(f"JsonlTasks: file for split {split!r} not found: {path!r}")
         digest = _file_digest([self._files[s] for s in sorted(self._files)])
         config = tfds.core.BuilderConfig(name=f"{name}-{digest}")
-        super().__init__(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
+        with _quiet_tfds():
+            super().__init__(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(builder=self, description="GSM8K/MATH-style JSONL", features=_features())
@@ -149,14 +152,27 @@ class JsonlTasks(tfds.core.GeneratorBasedBuilder):
                 yield line_no, _record(problem)
 
 
+@contextlib.contextmanager
+def _quiet_tfds():
+    """tfds reports routine work (custom builder configs, preparation) through absl warnings, stdout and tqdm
+    bars; library callers and their progress output should see none of it. Errors still surface."""
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    tfds.display_progress_bar(False)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        absl_logging.set_verbosity(level)
+
+
 def data_source(builder: tfds.core.DatasetBuilder, split: str) -> Sequence[Any]:
     """Prepare `builder` (once: later calls reuse the files) and return the random-access source of `split`.
 
     Raises:
       ValueError: if the builder has no such split.
     """
-    # tfds announces preparation on stdout; library callers (and doctests) should not see it.
-    with contextlib.redirect_stdout(io.StringIO()):
+    with _quiet_tfds():
         builder.download_and_prepare()
     if split not in builder.info.splits:
         raise ValueError(f"data_source: split {split!r} not in {sorted(builder.info.splits)}")

@@ -35,8 +35,7 @@ def _dense_oracle(graphdef, params, rest, batch, targets, spec, microbatches):
     return out
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+@pytest.mark.parametrize(("remat", "distribution"), [("none", "rademacher"), ("full", "gaussian")])
 def test_sketch_equals_dense_gradient_oracle(remat, distribution):
     model = init_model(preset("tiny", remat=remat))
     spec = SketchSpec(rank=8, distribution=distribution)

@@ -1,0 +1,74 @@
+"""RunConfig sections → the objects a run is made of: model + tokenizer, and the task's datasets."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grain
+
+from logra_jax.models import char_tokenizer, init_model, load, preset
+from logra_jax.models.decoder import Decoder
+from logra_jax.models.tokenizer import Tokenizer
+from logra_jax.rl.data import GeneratedTasks, JsonlTasks, data_source, problem_batches, record_to_problem
+from logra_jax.rl.tasks import Problem, TaskSpec, generate_problem
+from logra_jax.run_config import ModelSection, SFTSection, TaskSection
+
+
+def build_model(cfg: ModelSection) -> tuple[Decoder, Tokenizer]:
+    """The decoder and its tokenizer: a checkpoint (HF directory or GGUF) or a preset with random weights.
+
+    Raises:
+      ValueError: the tokenizer's vocabulary does not fit the model's, or the checkpoint carries no tokenizer
+        while model.tokenizer = "checkpoint" (names the config field).
+    """
+    overrides = dict(cfg.overrides)
+    if cfg.checkpoint:
+        model, tokenizer, _ = load(cfg.checkpoint, **overrides)
+        if cfg.tokenizer == "char":
+            tokenizer = char_tokenizer()
+        elif tokenizer is None:
+            raise ValueError(f"config.model.tokenizer = 'checkpoint', but {cfg.checkpoint} has no tokenizer")
+    else:
+        model = init_model(preset(cfg.preset, **overrides), seed=cfg.init_seed)
+        tokenizer = char_tokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"config.model: the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                         f"{model.config.vocab_size}")
+    return model, tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Tasks:
+    """train_batches(batch_size, seed): grain IterDataset of Problem lists (checkpointable iterator);
+    eval_problems: the held-out set; sft_problems: the easier warm-start set (empty without SFT);
+    train_problems: every training problem (fixes the prompt length)."""
+
+    train_batches: Callable[..., grain.IterDataset]
+    eval_problems: Sequence[Problem]
+    sft_problems: Sequence[Problem]
+    train_problems: Sequence[Problem]
+
+
+def build_tasks(task: TaskSection, sft: SFTSection, data_dir: Path) -> Tasks:
+    """Prepare the task's tfds builder (array_record, once per data_dir) and read it through grain."""
+    if task.kind == "jsonl":
+        builder = JsonlTasks({"train": task.jsonl_train, "eval": task.jsonl_eval}, data_dir=data_dir)
+    else:
+        spec = TaskSpec(kind=task.kind, seed=task.seed, difficulty=task.difficulty, operations=task.operations,
+                        count=task.count, max_number=task.max_number, max_target=task.max_target)
+        builder = GeneratedTasks(spec, {"train": task.train_size, "eval": task.eval_size}, data_dir=data_dir)
+    train = data_source(builder, "train")
+    eval_source = data_source(builder, "eval")
+    eval_problems = [record_to_problem(eval_source[i]) for i in range(min(task.eval_size, len(eval_source)))]
+    every_train = [record_to_problem(train[i]) for i in range(len(train))]
+    sft_problems: list[Problem] = []
+    if sft.steps:
+        easy = TaskSpec(kind="arithmetic", seed=task.seed + 1, difficulty=sft.difficulty, operations=sft.operations)
+        sft_problems = [generate_problem(easy, i) for i in range(sft.train_size)]
+
+    def train_batches(batch_size: int, *, seed: int) -> grain.IterDataset:
+        return problem_batches(train, batch_size, seed=seed)
+
+    return Tasks(train_batches, eval_problems, sft_problems, every_train)

@@ -1,0 +1,110 @@
+"""The optimizer choices of a run, as optax transformations plus what the train step needs to drive them.
+
+  adamw   optax.adamw on every parameter (dense gradients; the memory baseline).
+  galore  optax.contrib GaLore (Adam inside, rank r) on each layer of the stacked target kernels, AdamW elsewhere.
+  logra   logra_jax.optim.logra on the targets (dense-gradient or sketch-native), non-targets frozen or AdamW,
+          optionally with predicted-KL step control.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from logra_jax.optim import logra
+from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, find_targets, path_str
+from logra_jax.run_config import OptimizerSection
+from logra_jax.train_step import KLProbeConfig, Trainable
+
+GALORE_UPDATE_GAP = 200
+
+
+def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` applied to each slice of the leading (layers) axis on its own, one layer at a time (`lax.map`)."""
+    def init(params):
+        return jax.vmap(tx.init)(params)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.lax.map(lambda us: tx.update(us[0], us[1]), (updates, state))
+
+    return optax.GradientTransformation(init, update)
+
+
+def _adamw(cfg: OptimizerSection) -> optax.GradientTransformation:
+    adamw = optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
+
+
+def _target_labels(params: Any, yes: str, no: str) -> Any:
+    targets = find_targets(params, DEFAULT_TARGET_RULES)
+    return jax.tree_util.tree_map_with_path(lambda k, _: yes if path_str(k) in targets else no, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlan:
+    """tx plus how the train step must run it (see logra_jax.train_step.make_train_step)."""
+
+    tx: optax.GradientTransformation
+    mode: str = "dense"
+    trainable: Trainable | None = None
+    targets: dict[str, Target] | None = None
+    spec: SketchSpec | None = None
+    round_bf16: bool = False
+    kl_probe: KLProbeConfig | None = None
+
+    def dense_paths(self, params: Any) -> list[str]:
+        """Paths of the parameters updated densely (what policy sync ships besides low-rank factors)."""
+        paths = [path_str(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+        low_rank = set(self.targets or ())
+        if self.mode == "dense":
+            chosen = paths if self.trainable is None else [p for p in paths if self.trainable(p.split("."), None)]
+        else:
+            chosen = [] if self.trainable is None else [p for p in paths if self.trainable(p.split("."), None)]
+        return [p for p in chosen if p not in low_rank]
+
+
+def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: float = 1.0) -> OptimizerPlan:
+    """The transformation and step settings for `cfg`; attaches sketch probes to `model` when LoGRA needs them
+    (sketch-native mode, or predicted-KL probing which injects tangents through the same hooks)."""
+    params = nnx.state(model, nnx.Param)
+    if cfg.name == "adamw":
+        return OptimizerPlan(_adamw(cfg))
+    if cfg.name == "galore":
+        galore = per_layer(optax.contrib.scale_by_galore(rank=cfg.rank, update_proj_gap=GALORE_UPDATE_GAP,
+                                                         base_optimizer=optax.scale_by_adam()))
+        galore = optax.chain(galore, optax.add_decayed_weights(cfg.weight_decay), optax.scale(-cfg.learning_rate))
+        tx = optax.partition({"galore": galore, "other": optax.adamw(cfg.learning_rate,
+                                                                      weight_decay=cfg.weight_decay)},
+                             lambda p: _target_labels(p, "galore", "other"))
+        return OptimizerPlan(tx)
+    non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
+    kl = None
+    if cfg.kl_control:
+        kl = dict(kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,
+                  schedule_steps=cfg.kl_schedule_steps, alpha_max=cfg.alpha_max,
+                  subtract_mismatch=cfg.subtract_mismatch)
+    tx = logra(cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
+               variant=cfg.variant, b2=cfg.b2, eps=cfg.eps,
+               update_ratio=cfg.update_ratio,
+               lr=cfg.learning_rate if cfg.variant == "nemo" else None,
+               weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,
+               non_target_tx=non_target_tx, round_bf16=cfg.round_bf16, kl_control=kl)
+    targets = find_targets(params, DEFAULT_TARGET_RULES)
+    is_target = lambda path, _: ".".join(map(str, path)) in targets
+    frozen = cfg.non_targets == "frozen"
+    if cfg.sketch_native:  # trainable = the non-targets trained densely
+        trainable = None if frozen else (lambda path, v: not is_target(path, v))
+    else:  # trainable = everything that gets a dense gradient
+        trainable = is_target if frozen else None
+    spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh)
+    if cfg.sketch_native or cfg.kl_control:
+        attach_sketch_probes(model, spec)
+    return OptimizerPlan(tx, mode="sketch_native" if cfg.sketch_native else "dense", trainable=trainable,
+                         targets=targets, spec=spec, round_bf16=cfg.round_bf16,
+                         kl_probe=KLProbeConfig(temperature=temperature) if cfg.kl_control else None)

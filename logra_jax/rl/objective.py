@@ -1,0 +1,56 @@
+"""The policy-gradient objective on a batch of rollouts, as a loss function for logra_jax.train_step.
+
+Batch fields (rows = responses, fixed prompt length P):
+  tokens [N, P + G] int32 ([left-padded prompt | response]), attention_mask [N, P + G],
+  response_mask [N, G], advantages [N], rollout_logprobs [N, G] (the sampler's log μ), finished [N],
+  and ref_logprobs [N, G] when a reference-KL penalty is used.
+The trainer's log π_θ of the response tokens comes from chunked log-probs at the sampling temperature (the
+[N, G, V] logits are never materialised whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from logra_jax.rl.logprobs import token_logprobs
+from logra_jax.rl.losses import LossConfig, aggregate, policy_loss
+
+
+def response_logprobs(model: nnx.Module, tokens: jax.Array, attention_mask: jax.Array, prompt_length: int, *,
+                      temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False):
+    """log softmax(z/τ) of the response tokens tokens[:, P:] given everything before them: [N, G] (+ entropy)."""
+    hidden = model.features(tokens, attention_mask=attention_mask)
+    return token_logprobs(hidden[:, prompt_length - 1:-1], model.head_weight(), tokens[:, prompt_length:],
+                          temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+
+
+def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: float = 1.0, chunk: int = 1024):
+    """loss_fn(model, batch) -> (policy loss, metrics) for `make_train_step`.
+
+    Metrics (token means over responses): pg_loss, clip_fraction, tis_weight, kl (with a reference), entropy,
+    and rollout_mismatch = mean over tokens of completed responses of (log μ − log π_θ) clipped at 0 — the
+    measured rollout-vs-trainer gap that `scale_by_predicted_kl` can subtract from its budget.
+    """
+    if prompt_length < 1:
+        raise ValueError(f"make_policy_loss_fn: prompt_length must be >= 1, got {prompt_length}")
+
+    def loss_fn(model: nnx.Module, batch: Mapping[str, jax.Array]):
+        logp, entropy = response_logprobs(model, batch["tokens"], batch["attention_mask"], prompt_length,
+                                          temperature=temperature, chunk=chunk, with_entropy=True)
+        mask = batch["response_mask"].astype(jnp.float32)
+        loss, metrics = policy_loss(
+            logp, batch["advantages"], mask, config=config,
+            rollout_logp=batch["rollout_logprobs"] if config.tis_cap is not None else None,
+            ref_logp=batch.get("ref_logprobs"))
+        completed = mask * batch["finished"].astype(jnp.float32)[:, None]
+        gap = aggregate(jax.lax.stop_gradient(batch["rollout_logprobs"] - logp), completed)
+        metrics = dict(metrics)
+        metrics["entropy"] = jax.lax.stop_gradient(aggregate(entropy, mask))
+        metrics["rollout_mismatch"] = jnp.maximum(gap, 0.0)
+        return loss, metrics
+
+    return loss_fn

@@ -1,0 +1,339 @@
+"""The run configuration: frozen, validated dataclasses built from an ml_collections ConfigDict at load.
+
+configs/*.py return ConfigDicts (the user edge); `RunConfig.from_dict` turns one into these dataclasses and
+raises ValueError naming the field ("optimizer.rank") and the value on anything unknown, mistyped or out of
+range, before any work starts. Library code below train.py only sees the dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from logra_jax.rl.advantages import ESTIMATORS
+
+
+def _fail(field: str, value: Any, why: str) -> None:
+    raise ValueError(f"config.{field} = {value!r}: {why}")
+
+
+def _check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(f"{section}.{name}", value, f"must be one of {list(choices)}")
+
+
+def _check_range(section: str, name: str, value: float, lo: float | None = None, hi: float | None = None,
+                 *, lo_open: bool = False) -> None:
+    if not math.isfinite(value):
+        _fail(f"{section}.{name}", value, "must be finite")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        _fail(f"{section}.{name}", value, f"must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and value > hi:
+        _fail(f"{section}.{name}", value, f"must be <= {hi}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """preset: named ModelConfig; checkpoint: HF directory or GGUF file (overrides preset; "" = random init);
+    overrides: ModelConfig fields to change (e.g. {"num_layers": 4, "dtype": "bfloat16"});
+    tokenizer: "char" (synthetic tasks) or "checkpoint"; init_seed: random-init seed."""
+
+    preset: str = "tiny"
+    checkpoint: str = ""
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: str = "char"
+    init_seed: int = 0
+
+    def validate(self) -> None:
+        from logra_jax.models.config import PRESETS, preset
+        _check_choice("model", "preset", self.preset, tuple(PRESETS))
+        _check_choice("model", "tokenizer", self.tokenizer, ("char", "checkpoint"))
+        if self.tokenizer == "checkpoint" and not self.checkpoint:
+            _fail("model.tokenizer", self.tokenizer, "needs model.checkpoint")
+        if not self.checkpoint:
+            try:
+                preset(self.preset, **dict(self.overrides))
+            except ValueError as err:
+                _fail("model.overrides", dict(self.overrides), str(err))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+    """The RL task: kind "arithmetic" | "countdown" | "jsonl" with the generator's settings, sizes of the
+    train and held-out splits, JSONL paths for kind "jsonl", and the prompt style ("plain", "chat", or
+    "compact": arithmetic as "12+7=" → "19")."""
+
+    kind: str = "arithmetic"
+    difficulty: int = 2
+    operations: str = "+"
+    count: int = 3
+    max_number: int = 20
+    max_target: int = 100
+    train_size: int = 4096
+    eval_size: int = 128
+    jsonl_train: str = ""
+    jsonl_eval: str = ""
+    seed: int = 0
+    prompt_style: str = "plain"
+
+    def validate(self) -> None:
+        _check_choice("task", "kind", self.kind, ("arithmetic", "countdown", "jsonl"))
+        _check_choice("task", "prompt_style", self.prompt_style, ("plain", "chat", "compact"))
+        if self.prompt_style == "compact" and self.kind != "arithmetic":
+            _fail("task.prompt_style", self.prompt_style, "'compact' prompts exist for kind='arithmetic' only")
+        _check_range("task", "difficulty", self.difficulty, 1, 9)
+        _check_range("task", "train_size", self.train_size, 1)
+        _check_range("task", "eval_size", self.eval_size, 1)
+        _check_range("task", "seed", self.seed, 0)
+        if self.kind == "jsonl" and not (self.jsonl_train and self.jsonl_eval):
+            _fail("task.jsonl_train", self.jsonl_train, "kind='jsonl' needs task.jsonl_train and task.jsonl_eval")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+    """Optional supervised warm start on easier problems: steps (0 = off), batch size, AdamW learning rate,
+    and the easy task's difficulty and operations."""
+
+    steps: int = 0
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    difficulty: int = 1
+    operations: str = "+"
+    train_size: int = 4096
+
+    def validate(self) -> None:
+        _check_range("sft", "steps", self.steps, 0)
+        _check_range("sft", "batch_size", self.batch_size, 1)
+        _check_range("sft", "learning_rate", self.learning_rate, 0.0, lo_open=True)
+        _check_range("sft", "difficulty", self.difficulty, 1, 9)
+        _check_range("sft", "train_size", self.train_size, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """prompts_per_step × num_samples responses per update, up to max_new_tokens each; sampling settings;
+    workers: 0 = colocated rollout engine, 1 = a separate rollout worker process (low-rank policy sync)."""
+
+    prompts_per_step: int = 16
+    num_samples: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    workers: int = 0
+
+    def validate(self) -> None:
+        _check_range("rollout", "prompts_per_step", self.prompts_per_step, 1)
+        _check_range("rollout", "num_samples", self.num_samples, 1)
+        _check_range("rollout", "max_new_tokens", self.max_new_tokens, 1)
+        _check_range("rollout", "temperature", self.temperature, 0.0, lo_open=True)
+        _check_range("rollout", "top_k", self.top_k, 0)
+        _check_range("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_choice("rollout", "workers", self.workers, (0, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSection:
+    """Advantage estimator (registry name) and policy loss; reward values (paper: 1 / −0.01)."""
+
+    estimator: str = "grpo"
+    baseline_momentum: float = 0.1
+    policy: str = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    tis_cap: float = 2.0
+    aggregation: str = "token_mean"
+    kl_beta: float = 0.0
+    reward_correct: float = 1.0
+    reward_incorrect: float = -0.01
+    format_weight: float = 0.0
+    dynamic_sampling: bool = False
+
+    def validate(self) -> None:
+        _check_choice("algorithm", "estimator", self.estimator, tuple(ESTIMATORS))
+        _check_choice("algorithm", "policy", self.policy, ("ppo", "reinforce"))
+        _check_choice("algorithm", "aggregation", self.aggregation,
+                      ("token_mean", "seq_mean", "seq_mean_token_sum_norm"))
+        _check_range("algorithm", "baseline_momentum", self.baseline_momentum, 0.0, 1.0, lo_open=True)
+        _check_range("algorithm", "eps_low", self.eps_low, 0.0, 1.0, lo_open=True)
+        _check_range("algorithm", "eps_high", self.eps_high, 0.0, lo_open=True)
+        _check_range("algorithm", "tis_cap", self.tis_cap, 0.0)
+        _check_range("algorithm", "kl_beta", self.kl_beta, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    """name: "logra" | "adamw" | "galore". AdamW/GaLore use learning_rate, weight_decay and grad_clip (0 = off);
+    GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd), learning_rate (nemo), refresh,
+    distribution, base_seed, b2, eps, round_bf16, sketch_native, non_targets ("frozen" | "adamw"), and the
+    predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
+    subtract_mismatch, probe_responses per step)."""
+
+    name: str = "logra"
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    rank: int = 64
+    variant: str = "paper"
+    update_ratio: float = 6e-5
+    refresh: bool = True
+    distribution: str = "rademacher"
+    base_seed: int = 42
+    b2: float = 0.95
+    eps: float = 1e-8
+    round_bf16: bool = True
+    sketch_native: bool = True
+    non_targets: str = "frozen"
+    kl_control: bool = False
+    kl_budget: float = 2e-4
+    kl_budget_final: float = 2e-5
+    kl_schedule_steps: int = 300
+    alpha_max: float = 3.0
+    subtract_mismatch: bool = False
+    probe_responses: int = 2
+
+    def validate(self) -> None:
+        _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore"))
+        _check_choice("optimizer", "variant", self.variant, ("paper", "nemo", "sgd"))
+        _check_choice("optimizer", "distribution", self.distribution, ("rademacher", "gaussian"))
+        _check_choice("optimizer", "non_targets", self.non_targets, ("frozen", "adamw"))
+        _check_range("optimizer", "learning_rate", self.learning_rate, 0.0, lo_open=True)
+        _check_range("optimizer", "weight_decay", self.weight_decay, 0.0)
+        _check_range("optimizer", "grad_clip", self.grad_clip, 0.0)
+        _check_range("optimizer", "rank", self.rank, 1)
+        _check_range("optimizer", "update_ratio", self.update_ratio, 0.0, lo_open=True)
+        _check_range("optimizer", "base_seed", self.base_seed, 0)
+        _check_range("optimizer", "b2", self.b2, 0.0, 1.0, lo_open=True)
+        if self.b2 >= 1.0:
+            _fail("optimizer.b2", self.b2, "must be < 1")
+        _check_range("optimizer", "eps", self.eps, 0.0, lo_open=True)
+        _check_range("optimizer", "kl_budget", self.kl_budget, 0.0, lo_open=True)
+        _check_range("optimizer", "kl_budget_final", self.kl_budget_final, 0.0, lo_open=True)
+        _check_range("optimizer", "kl_schedule_steps", self.kl_schedule_steps, 1)
+        _check_range("optimizer", "alpha_max", self.alpha_max, 0.0, lo_open=True)
+        _check_range("optimizer", "probe_responses", self.probe_responses, 1)
+        if self.kl_control and self.name != "logra":
+            _fail("optimizer.kl_control", self.kl_control, "predicted-KL control needs optimizer.name='logra'")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    """steps of RL updates, gradient-accumulation microbatches, seed, evaluation / checkpoint / log periods
+    (0 = never), checkpoints kept, and the device mesh (data × fsdp × tensor; 1×1×1 = one device)."""
+
+    steps: int = 100
+    microbatches: int = 1
+    seed: int = 0
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    mesh_data: int = 1
+    mesh_fsdp: int = 1
+    mesh_tensor: int = 1
+
+    def validate(self) -> None:
+        _check_range("train", "steps", self.steps, 1)
+        _check_range("train", "microbatches", self.microbatches, 1)
+        _check_range("train", "seed", self.seed, 0)
+        for name in ("eval_every", "checkpoint_every"):
+            _check_range("train", name, getattr(self, name), 0)
+        _check_range("train", "keep_checkpoints", self.keep_checkpoints, 1)
+        _check_range("train", "log_every", self.log_every, 1)
+        for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
+            _check_range("train", name, getattr(self, name), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs; see the section classes for the fields."""
+
+    model: ModelSection = ModelSection()
+    task: TaskSection = TaskSection()
+    sft: SFTSection = SFTSection()
+    rollout: RolloutSection = RolloutSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    train: TrainSection = TrainSection()
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        batch = self.rollout.prompts_per_step * self.rollout.num_samples
+        if batch % self.train.microbatches:
+            _fail("train.microbatches", self.train.microbatches,
+                  f"must divide rollout.prompts_per_step × rollout.num_samples = {batch}")
+        if self.algorithm.estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.num_samples < 2:
+            _fail("rollout.num_samples", self.rollout.num_samples,
+                  f"algorithm.estimator={self.algorithm.estimator!r} needs groups of at least 2 samples")
+        if self.optimizer.kl_control and self.optimizer.probe_responses > batch:
+            _fail("optimizer.probe_responses", self.optimizer.probe_responses,
+                  f"exceeds the {batch} responses of a step")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> RunConfig:
+        """Build and validate from a (nested) mapping such as an ml_collections ConfigDict.
+
+        Raises:
+          ValueError: an unknown section or field, a value of the wrong type, or a value out of range; the
+            message names the field ("optimizer.rank") and the value.
+        """
+        config = _to_dict(config)
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - set(sections))
+        if unknown:
+            raise ValueError(f"config: unknown section(s) {unknown}; known: {sorted(sections)}")
+        built = {name: _build(f.default.__class__, config.get(name, {}), name) for name, f in sections.items()}
+        run = cls(**built)
+        run.validate()
+        return run
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (JSON-able) of every field."""
+        out = {}
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            out[f.name] = {g.name: (dict(v) if isinstance(v := getattr(section, g.name), Mapping) else v)
+                           for g in dataclasses.fields(section)}
+        return out
+
+
+def _to_dict(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: _to_dict(v) for k, v in value.items()}
+    return value
+
+
+def _build(section_cls: type, values: Mapping[str, Any], section: str) -> Any:
+    if not isinstance(values, Mapping):
+        _fail(section, values, "must be a mapping of fields")
+    hints = typing.get_type_hints(section_cls)
+    fields = {f.name for f in dataclasses.fields(section_cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"config.{section}: unknown field(s) {unknown}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in values.items():
+        want = hints[name]
+        origin = typing.get_origin(want) or want
+        if origin in (Mapping, dict) or (isinstance(origin, type) and issubclass(origin, Mapping)):
+            if not isinstance(value, Mapping):
+                _fail(f"{section}.{name}", value, "must be a mapping")
+            kwargs[name] = types.MappingProxyType(dict(value))
+            continue
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if want is bool and not isinstance(value, bool):
+            _fail(f"{section}.{name}", value, "must be a bool")
+        if want is int and (isinstance(value, bool) or not isinstance(value, int)):
+            _fail(f"{section}.{name}", value, "must be an integer")
+        if want in (float, str) and not isinstance(value, want):
+            _fail(f"{section}.{name}", value, f"must be a {want.__name__}")
+        kwargs[name] = value
+    return section_cls(**kwargs)

@@ -1,0 +1,211 @@
+"""The main job: RL post-training from a RunConfig — rollout → reward → advantages → jitted update.
+
+  train_and_evaluate(config, workdir)
+
+1. Model and tokenizer (preset + random init, or a checkpoint), tasks (tfds builders read through grain).
+2. Optional SFT warm start on easier problems (skipped when resuming from an RL checkpoint).
+3. Held-out greedy accuracy, then `train.steps` RL updates: sample prompts_per_step × num_samples responses with
+   the rollout engine, score them (time-limited, never eval'd), compute advantages, run the jitted train step
+   (microbatched; LoGRA sketch-native or dense, predicted-KL control on a few probe responses), sync the
+   policy to the rollout engine (low-rank payloads), log metrics (JSONL + TensorBoard + progress bar), stop on a
+   non-finite loss/reward/norm, evaluate and checkpoint periodically.
+4. Final held-out accuracy and a reward-curve PNG under workdir.
+Every random choice derives from train.seed and the step number, so an interrupted run resumed from its last
+checkpoint reproduces the uninterrupted run bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from logra_jax import metrics as metrics_lib
+from logra_jax.builders import build_model, build_tasks
+from logra_jax.checkpoint import CheckpointManager
+from logra_jax.optimizers import build_optimizer
+from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
+from logra_jax.rl.evaluation import greedy_accuracy
+from logra_jax.rl.losses import LossConfig
+from logra_jax.rl.objective import make_policy_loss_fn
+from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
+from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
+from logra_jax.rl.rollout_worker import rollout_engine
+from logra_jax.rl.sampler import Sampler, SamplingConfig
+from logra_jax.rl.sync import PolicySync
+from logra_jax.run_config import RunConfig
+from logra_jax.sft import supervised_warm_start
+from logra_jax.train_step import TrainState, make_train_step
+
+# Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
+GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised")
+
+
+def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
+    return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
+            "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
+            "rollout_logprobs": rollout.logprobs, "finished": rollout.finished}
+
+
+def _probe_batch(rollout, count: int) -> dict[str, jax.Array]:
+    """The first `count` responses; kl_mask marks the positions whose logits generated a response token."""
+    tokens = rollout.tokens[:count]
+    response = rollout.response_mask[:count]
+    prompt_len = rollout.prompt_mask.shape[1]
+    kl_mask = jnp.zeros(tokens.shape, bool).at[:, prompt_len - 1:-1].set(response)
+    return {"tokens": tokens, "attention_mask": rollout.attention_mask()[:count], "kl_mask": kl_mask}
+
+
+def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Path, *,
+                       reward_fn: RewardFn | None = None) -> dict[str, float]:
+    """Run the configured RL post-training in `workdir` (created; resumed when it holds a checkpoint).
+
+    reward_fn: (response text, Problem) -> float replacing the task's outcome reward (time-limited like it; a
+    call that raises or runs too long scores 0 and is counted in the `reward_failures` metric).
+
+    Returns:
+      Summary: accuracy_before / accuracy_after (held-out greedy), steps, seconds, final reward.
+
+    Raises:
+      ValueError: invalid config (names the field and value).
+      metrics.NonFiniteMetricError: a guarded metric became NaN/inf (names the step and metric).
+      checkpoint.CheckpointError / FileNotFoundError: an unreadable checkpoint in workdir.
+    """
+    run = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(run.to_dict(), indent=2, sort_keys=True))
+    wall_start = time.perf_counter()
+
+    model, tokenizer = build_model(run.model)
+    fmt = PromptFormat(run.task.prompt_style)
+    tasks = build_tasks(run.task, run.sft, workdir / "data")
+    prompt_len = max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems],
+                                   tokenizer, fmt)
+    rollout_cfg = SamplingConfig(max_new_tokens=run.rollout.max_new_tokens, eos_id=tokenizer.eos_id,
+                                 pad_id=tokenizer.pad_id, num_samples=run.rollout.num_samples,
+                                 temperature=run.rollout.temperature, top_k=run.rollout.top_k,
+                                 top_p=run.rollout.top_p)
+    greedy_cfg = SamplingConfig(max_new_tokens=run.rollout.max_new_tokens, eos_id=tokenizer.eos_id,
+                                pad_id=tokenizer.pad_id, num_samples=1, temperature=0.0)
+
+    ckpt = CheckpointManager(workdir / "checkpoints", keep=run.train.keep_checkpoints,
+                             save_every=run.train.checkpoint_every or run.train.steps + 1)
+    resume_step = ckpt.latest_step()
+    writer = metrics_lib.MetricsWriter(workdir)
+    if resume_step is None:
+        writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
+    log = metrics_lib.Logger(workdir)
+    if resume_step is None and run.sft.steps:
+        log(f"SFT warm start: {run.sft.steps} steps on {len(tasks.sft_problems)} easier problems")
+        sft_len = prompt_len + run.rollout.max_new_tokens
+        sft = supervised_warm_start(model, tokenizer, fmt, tasks.sft_problems, run.sft, sft_len,
+                                    seed=run.train.seed)
+        log(f"SFT done: loss {sft['sft_loss']:.4f}")
+
+    plan = build_optimizer(run.optimizer, model, temperature=run.rollout.temperature)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss_cfg = LossConfig(policy=run.algorithm.policy, eps_low=run.algorithm.eps_low,
+                          eps_high=run.algorithm.eps_high, tis_cap=run.algorithm.tis_cap or None,
+                          kl_beta=run.algorithm.kl_beta, aggregation=run.algorithm.aggregation,
+                          max_len=run.rollout.max_new_tokens)
+    loss_fn = make_policy_loss_fn(loss_cfg, prompt_len, temperature=run.rollout.temperature)
+    step_fn = jax.jit(make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode,
+                                      microbatches=run.train.microbatches, trainable=plan.trainable,
+                                      targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16,
+                                      kl_probe=plan.kl_probe, return_updates=True), donate_argnums=0)
+    estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
+                                    **({"momentum": run.algorithm.baseline_momentum}
+                                       if run.algorithm.estimator == "reinforce" else {}))
+    state = TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32))
+    est_state = estimator.init()
+    data_iter = iter(tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed))
+
+    if resume_step is not None:
+        (state, est_state), data_state, extra = ckpt.restore(resume_step, abstract=(state, est_state))
+        data_iter.set_state(data_state)
+        writer.truncate_after(resume_step)
+        accuracy_before = extra["accuracy_before"]
+        log(f"resumed from checkpoint step {resume_step}")
+
+    # Rollouts come from the engine, whose weights follow the trainer's through low-rank policy sync;
+    # held-out evaluation decodes greedily with the trainer's own weights.
+    engine = rollout_engine(run.rollout.workers, model.config, rollout_cfg)
+    sync = PolicySync(engine.sync, state.params, version=int(state.step), trained=plan.dense_paths(state.params))
+    greedy = Sampler(model, greedy_cfg)
+    evaluate = lambda: greedy_accuracy(
+        lambda p, m, k: greedy(p, m, k, state=nnx.merge_state(state.params, rest)), tasks.eval_problems,
+        tokenizer, fmt, prompt_len, run.rollout.prompts_per_step * run.rollout.num_samples)[0]
+    if resume_step is None:
+        accuracy_before = evaluate()
+        log(f"held-out accuracy before RL: {accuracy_before:.3f} ({len(tasks.eval_problems)} problems)")
+        writer.write(0, {"eval_accuracy": accuracy_before})
+
+    base_key = jax.random.key(run.train.seed)
+    start = int(state.step)
+    progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL")
+    reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
+                              format_weight=run.algorithm.format_weight)
+    n = run.rollout.num_samples
+    try:
+        for step in range(start, run.train.steps):
+            t0 = time.perf_counter()
+            problems = next(data_iter)
+            prompts, mask = encode_prompts(problems, tokenizer, fmt, prompt_len)
+            rollout = engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
+            texts = decode_responses(np.asarray(rollout.tokens), np.asarray(rollout.response_mask), tokenizer,
+                                     prompt_len)
+            rewards, reward_stats = score_responses([fmt.scoring_text(t) for t in texts],
+                                                    [p for p in problems for _ in range(n)], config=reward_cfg,
+                                                    reward_fn=reward_fn)
+            advantages, est_state = estimator.update(jnp.asarray(rewards), est_state)
+            advantages = np.asarray(advantages)
+            if run.algorithm.dynamic_sampling:
+                advantages = advantages * np.asarray(dynamic_sampling_mask(jnp.asarray(rewards), n))
+            t_rollout = time.perf_counter() - t0
+            extra_args = {}
+            if plan.kl_probe is not None:
+                extra_args["probe"] = _probe_batch(rollout, run.optimizer.probe_responses)
+            state, out, updates = step_fn(state, rest, _rl_batch(rollout, advantages), **extra_args)
+            report = sync.push(updates, state.params)
+            out = {k: float(v) for k, v in jax.device_get(out).items()}
+            out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
+            out.update(reward_mean=float(rewards.mean()),
+                       accuracy=float(np.mean(rewards >= reward_cfg.correct)),
+                       response_length=float(np.asarray(rollout.lengths).mean()),
+                       truncated=float(1.0 - np.asarray(rollout.finished).mean()),
+                       reward_failures=float(reward_stats.num_failed + reward_stats.num_timed_out),
+                       rollout_time=t_rollout, step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
+            metrics_lib.check_finite(step + 1, out, GUARDED)
+            if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
+                out["eval_accuracy"] = evaluate()
+            if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:
+                writer.write(step + 1, out)
+            progress.update(step + 1, out)
+            # Called every step: the manager saves every `checkpoint_every` steps and on preemption.
+            ckpt.save(step + 1, (state, est_state), data_state=data_iter.get_state(),
+                      extra={"accuracy_before": accuracy_before})
+        accuracy_after = evaluate()
+    finally:
+        progress.close()
+        engine.close()
+        ckpt.close()
+    steps_done = run.train.steps
+    writer.write(steps_done, {"eval_accuracy": accuracy_after})
+    writer.close()
+    summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
+               "seconds": time.perf_counter() - wall_start}
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy"], workdir / "reward_curve.png",
+                            title=f"RL with {run.optimizer.name}: held-out accuracy {accuracy_before:.2f} → "
+                                  f"{accuracy_after:.2f}")
+    log(f"held-out accuracy after RL: {accuracy_after:.3f} (before: {accuracy_before:.3f}); "
+        f"{summary['seconds']:.0f} s")
+    return summary

@@ -1,0 +1,121 @@
+"""The main job end to end on the tiny model: every optimizer choice, kill-and-resume, and bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import logra_jax.train as train_mod
+from logra_jax.checkpoint import CheckpointError
+from logra_jax.run_config import RunConfig
+from logra_jax.train import train_and_evaluate
+
+# Metrics that measure the machine, not the run.
+TIMING = ("step_time", "rollout_time", "sync_time", "host_rss_bytes", "host_peak_rss_bytes")
+
+
+def tiny_config(**sections):
+    config = {
+        "model": {"preset": "tiny", "overrides": {"max_seq_len": 16}},
+        "task": {"kind": "arithmetic", "difficulty": 1, "operations": "+", "train_size": 64, "eval_size": 4,
+                 "prompt_style": "compact"},
+        "rollout": {"prompts_per_step": 2, "num_samples": 2, "max_new_tokens": 3},
+        "optimizer": {"name": "logra", "rank": 4, "update_ratio": 1e-2},
+        "train": {"steps": 3, "microbatches": 2},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config
+
+
+def read_metrics(workdir):
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+@pytest.mark.parametrize("optimizer", [
+    {"name": "adamw", "learning_rate": 1e-3, "grad_clip": 1.0},
+    {"name": "galore", "learning_rate": 1e-3, "rank": 4},
+    {"name": "logra", "sketch_native": False, "kl_control": False},
+    {"name": "logra", "sketch_native": True, "kl_control": True, "probe_responses": 2, "non_targets": "adamw"},
+], ids=["adamw", "galore", "logra_dense_grad", "logra_sketch_native_kl"])
+def test_three_steps_end_to_end(tmp_path, optimizer):
+    calls = []
+
+    def flaky_reward(response, problem):
+        calls.append(response)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("reward service down")
+        return 1.0 if response.strip() == f"#### {problem.answer}" else 0.0
+
+    summary = train_and_evaluate(tiny_config(optimizer=optimizer, sft={"steps": 2, "batch_size": 4}), tmp_path,
+                                 reward_fn=flaky_reward)
+    assert summary["steps"] == 3 and 0.0 <= summary["accuracy_after"] <= 1.0
+    rows = read_metrics(tmp_path)
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert sum(r["reward_failures"] for r in steps) == len(calls) // 3 > 0  # raised, scored 0, counted
+    assert all(r["sync_resyncs"] == 0 for r in steps)  # the rollout engine followed every update exactly
+    if optimizer.get("kl_control"):
+        assert all("kl_alpha" in r and "kl_realised" in r and "kl_predicted" in r for r in steps)
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+    assert (tmp_path / "summary.json").exists() and list(tmp_path.rglob("events.out.tfevents*"))
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch):
+    config = tiny_config(optimizer={"kl_control": True, "probe_responses": 2},
+                         train={"steps": 4, "checkpoint_every": 2, "microbatches": 2})
+    train_and_evaluate(config, tmp_path / "straight")
+
+    real = train_mod.score_responses
+    calls = {"n": 0}
+
+    def dies_after_step_two(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third step's rewards: after the checkpoint at step 2
+            raise _Interrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "score_responses", dies_after_step_two)
+    with pytest.raises(_Interrupt):
+        train_and_evaluate(config, tmp_path / "resumed")
+    monkeypatch.setattr(train_mod, "score_responses", real)
+    train_and_evaluate(config, tmp_path / "resumed")
+
+    assert read_metrics(tmp_path / "resumed") == read_metrics(tmp_path / "straight")
+    layouts = [json.loads((tmp_path / run / "checkpoints" / "4" / "layout" / "metadata").read_text())
+               for run in ("straight", "resumed")]
+    assert [leaf["fingerprint"] for leaf in layouts[0]["leaves"]] == [
+        leaf["fingerprint"] for leaf in layouts[1]["leaves"]]
+
+    # A corrupted checkpoint is an error naming it, never a silent restart.
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "resumed", broken)
+    shutil.rmtree(broken / "checkpoints" / "2")
+    for f in (broken / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 64 and "d" in f.parent.name:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises((CheckpointError, FileNotFoundError), match="checkpoints"):
+        train_and_evaluate(tiny_config(train={"steps": 6, "checkpoint_every": 2}), broken)
+
+
+@pytest.mark.parametrize(("section", "field", "value", "message"), [
+    ("algorithm", "estimator", "ppo2", "config.algorithm.estimator = 'ppo2'"),
+    ("optimizer", "rank", 0, "config.optimizer.rank = 0"),
+    ("rollout", "temperature", -1.0, "config.rollout.temperature = -1.0"),
+    ("train", "microbatches", 3, "config.train.microbatches = 3"),
+    ("optimizer", "rnk", 4, "unknown field"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, section, field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        train_and_evaluate(tiny_config(**{section: {field: value}}), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_defaults_validate():
+    RunConfig.from_dict({})
