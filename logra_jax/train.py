@@ -34,7 +34,7 @@ from logra_jax.optimizers import build_optimizer
 from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
 from logra_jax.rl.evaluation import greedy_accuracy
 from logra_jax.rl.losses import LossConfig
-from logra_jax.rl.objective import make_policy_loss_fn
+from logra_jax.rl.objective import make_policy_loss_fn, response_logprobs
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
 from logra_jax.rl.rollout_worker import rollout_engine
@@ -42,6 +42,16 @@ from logra_jax.rl.sampler import Sampler, SamplingConfig
 from logra_jax.rl.sync import PolicySync
 from logra_jax.run_config import RunConfig
 from logra_jax.sft import supervised_warm_start
+from logra_jax.sharding import (
+    MeshConfig,
+    abstract_sharded,
+    batch_shardings,
+    jit_train_step,
+    make_mesh,
+    param_shardings,
+    replicated,
+    train_state_shardings,
+)
 from logra_jax.train_step import TrainState, make_train_step
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
@@ -52,6 +62,24 @@ def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
     return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
             "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
             "rollout_logprobs": rollout.logprobs, "finished": rollout.finished}
+
+
+def _abstract_batch(rows: int, prompt_len: int, new_tokens: int, with_ref: bool
+                    ) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of `_rl_batch` (fixed for a run: the shardings of the jitted step are built from them)."""
+    sds, length = jax.ShapeDtypeStruct, prompt_len + new_tokens
+    batch = {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
+             "response_mask": sds((rows, new_tokens), jnp.bool_), "advantages": sds((rows,), jnp.float32),
+             "rollout_logprobs": sds((rows, new_tokens), jnp.float32), "finished": sds((rows,), jnp.bool_)}
+    if with_ref:
+        batch["ref_logprobs"] = sds((rows, new_tokens), jnp.float32)
+    return batch
+
+
+def _abstract_probe(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+    sds = jax.ShapeDtypeStruct
+    return {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
+            "kl_mask": sds((rows, length), jnp.bool_)}
 
 
 def _probe_batch(rollout, count: int) -> dict[str, jax.Array]:
@@ -117,10 +145,9 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
                           kl_beta=run.algorithm.kl_beta, aggregation=run.algorithm.aggregation,
                           max_len=run.rollout.max_new_tokens)
     loss_fn = make_policy_loss_fn(loss_cfg, prompt_len, temperature=run.rollout.temperature)
-    step_fn = jax.jit(make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode,
-                                      microbatches=run.train.microbatches, trainable=plan.trainable,
-                                      targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16,
-                                      kl_probe=plan.kl_probe, return_updates=True), donate_argnums=0)
+    train_step = make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode, microbatches=run.train.microbatches,
+                                 trainable=plan.trainable, targets=plan.targets, spec=plan.spec,
+                                 round_bf16=plan.round_bf16, kl_probe=plan.kl_probe, return_updates=True)
     estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
                                     **({"momentum": run.algorithm.baseline_momentum}
                                        if run.algorithm.estimator == "reinforce" else {}))
@@ -128,8 +155,30 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     est_state = estimator.init()
     data_iter = iter(tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed))
 
+    # Shard state and batches over the configured (data, fsdp, tensor) mesh (1×1×1 = one device).
+    mesh = make_mesh(MeshConfig(run.train.mesh_data, run.train.mesh_fsdp, run.train.mesh_tensor),
+                     jax.devices()[:run.train.mesh_data * run.train.mesh_fsdp * run.train.mesh_tensor])
+    state_sh = train_state_shardings(state, mesh)
+    rest_sh = param_shardings(rest, mesh, sources=state.params)
+    state, rest = jax.device_put(state, state_sh), jax.device_put(rest, rest_sh)
+    n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    batch_sh = batch_shardings(_abstract_batch(n_rows, prompt_len, run.rollout.max_new_tokens,
+                                                 run.algorithm.kl_beta > 0), mesh)
+    probe_sh = batch_shardings(_abstract_probe(run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens),
+                               mesh) if plan.kl_probe is not None else None
+    step_fn = jit_train_step(lambda st, rs, b, pr: train_step(st, rs, b, **({} if pr is None else {"probe": pr})),
+                             mesh, in_shardings=(state_sh, rest_sh, batch_sh, probe_sh),
+                             out_shardings=(state_sh, replicated(mesh), None))
+    ref_logprobs = None
+    if run.algorithm.kl_beta > 0:  # the reference policy: the weights RL starts from (after any SFT)
+        ref_params = jax.tree.map(jnp.copy, state.params)
+        ref_logprobs = jax.jit(lambda b: response_logprobs(
+            nnx.merge(graphdef, ref_params, rest), b["tokens"], b["attention_mask"], prompt_len,
+            temperature=run.rollout.temperature))
+
     if resume_step is not None:
-        (state, est_state), data_state, extra = ckpt.restore(resume_step, abstract=(state, est_state))
+        abstract = (abstract_sharded(state, state_sh), est_state)
+        (state, est_state), data_state, extra = ckpt.restore(resume_step, abstract=abstract)
         data_iter.set_state(data_state)
         writer.truncate_after(resume_step)
         accuracy_before = extra["accuracy_before"]
@@ -170,10 +219,11 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
             if run.algorithm.dynamic_sampling:
                 advantages = advantages * np.asarray(dynamic_sampling_mask(jnp.asarray(rewards), n))
             t_rollout = time.perf_counter() - t0
-            extra_args = {}
-            if plan.kl_probe is not None:
-                extra_args["probe"] = _probe_batch(rollout, run.optimizer.probe_responses)
-            state, out, updates = step_fn(state, rest, _rl_batch(rollout, advantages), **extra_args)
+            batch = _rl_batch(rollout, advantages)
+            if ref_logprobs is not None:
+                batch["ref_logprobs"] = ref_logprobs(batch)
+            probe = None if plan.kl_probe is None else _probe_batch(rollout, run.optimizer.probe_responses)
+            state, out, updates = step_fn(state, rest, batch, probe)
             report = sync.push(updates, state.params)
             out = {k: float(v) for k, v in jax.device_get(out).items()}
             out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
