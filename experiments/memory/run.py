@@ -60,12 +60,6 @@ RANK = 256
 LOGPROB_CHUNK = 512
 TARGET_PATTERN = re.compile(r"blocks\.(attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.kernel$")
 GIB = 2.0 ** 30
-# Cheaper CPU code generation (no LLVM optimisation, the classic loop emitters): 2-4x faster compiles. Buffer
-# assignment happens before code generation; measured against the default pipeline, per-device bytes agree to
-# within 200 bytes (alignment) at 7B. `--full-llvm-optimization` uses the default pipeline.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_cpu_use_fusion_emitters": False}
-
 
 def bench_config(name: str) -> ModelConfig:
     """The preset at the paper's numerics: bf16 compute, fp32 weights, full remat per block, chunked attention."""
@@ -169,29 +163,13 @@ BUILDERS = {"adamw": build_adamw, "galore": build_galore, "adafactor": build_ada
             "logra_dense_grad": build_logra_dense_grad, "logra_sketch_native": build_logra_sketch_native}
 
 
-def per_device_bytes(bench: Bench, mesh: jax.sharding.Mesh, compiler_options: dict | None) -> dict[str, int]:
-    """Compile `bench.step` for `mesh` from abstract inputs and read XLA's per-device memory analysis."""
-    abstract_state, abstract_rest = jax.eval_shape(bench.init)
-    state_sh = shd.train_state_shardings(abstract_state, mesh)
-    rest_sh = shd.param_shardings(abstract_rest, mesh, sources=abstract_state.params)
-    batch = abstract_batch(mesh.size)
-    batch_sh = shd.batch_shardings(batch, mesh)
-    step = shd.jit_train_step(bench.step, mesh, in_shardings=(state_sh, rest_sh, batch_sh),
-                              out_shardings=(state_sh, shd.replicated(mesh)), compiler_options=compiler_options)
-    args = (shd.abstract_sharded(abstract_state, state_sh), shd.abstract_sharded(abstract_rest, rest_sh),
-            shd.abstract_sharded(batch, batch_sh))
-    m = step.lower(*args).compile().memory_analysis()
-    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
-           "alias": m.alias_size_in_bytes}
-    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
-
-
 def measure(model: str, devices: int, optimizer: str, fast: bool, tensor: int = 1) -> dict[str, int]:
     """One cell of the table (runs in a worker process): FSDP over `devices`, or fsdp × tensor."""
     start = time.perf_counter()
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=-1, tensor=tensor), jax.devices()[:devices])
-    mem = per_device_bytes(BUILDERS[optimizer](bench_config(MODELS[model])), mesh, FAST_COMPILE if fast else None)
+    bench = BUILDERS[optimizer](bench_config(MODELS[model]))
+    mem = shd.step_memory(bench.step, bench.init, abstract_batch(mesh.size), mesh,
+                          compiler_options=shd.FAST_CPU_COMPILE if fast else None)
     parts = " ".join(f"{name} {mem[name] / GIB:.2f}" for name in ("argument", "output", "temp", "alias"))
     print(f"{cell_key(model, devices, tensor)} {optimizer:20s} {mem['total'] / GIB:7.2f} GiB  ({parts}) "
           f"{time.perf_counter() - start:.1f}s", flush=True)

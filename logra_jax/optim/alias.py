@@ -8,6 +8,8 @@ routed by optax.partition with labels "logra" / "non_target" from the target rul
 LowRankUpdate leaves: merge them with `logra_jax.optim.apply_updates`, not optax.apply_updates.
 Keyword extra args given to `update` reach every transform in the chain: with `kl_control`, the predicted-KL
 step control (LOGRA.md §5) sits just before the negation and takes `kl_probe=` / `kl_prediction=`.
+`implementation="pallas"` runs RowAdam's row moment and the merge through the Pallas kernels of logra_jax.kernels
+(pair it with `SketchSpec(implementation="pallas")` in sketch-native mode); "xla" is the default everywhere.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import jax
 import optax
 
+from logra_jax.kernels.backend import Implementation
 from logra_jax.optim.lowrank import is_lowrank
 from logra_jax.optim.lowrank_scale import add_decayed_weights_lowrank, scale_lowrank
 from logra_jax.optim.predicted_kl import scale_by_predicted_kl
@@ -57,7 +60,8 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
           rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES,
           non_target_tx: optax.GradientTransformation | None = None,
           round_bf16: bool = True,
-          kl_control: Mapping[str, Any] | None = None) -> optax.GradientTransformationExtraArgs:
+          kl_control: Mapping[str, Any] | None = None,
+          implementation: Implementation = "xla", interpret: bool = False) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
     Per target layer l (LOGRA.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
@@ -81,13 +85,16 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       round_bf16: round the final factor to bf16 when merging (the paper's wire format).
       kl_control: None, or keyword arguments of `scale_by_predicted_kl` ({} for its defaults) to scale each step
         to a predicted-KL budget; `update` then needs `kl_probe=fn(updates)` or `kl_prediction=(q_sum, count)`.
+      implementation: "xla" or "pallas": the kernels of RowAdam's row moment (`kernels.row_moment`) and of the
+        merge done by `apply_updates` (`kernels.merge`, carried on each LowRankUpdate).
+      interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
 
     Returns:
       An optax.GradientTransformationExtraArgs (an optax.partition; extra args flow to every transform).
 
     Raises:
-      ValueError/TypeError: invalid hyperparameters, lr missing for nemo or given for paper/sgd, weight_decay
-        for paper/sgd; at init, no target in the params.
+      ValueError/TypeError: invalid hyperparameters or implementation, lr missing for nemo or given for
+        paper/sgd, weight_decay for paper/sgd; at init, no target in the params.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -118,8 +125,9 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
     if kl_control is not None:
         step_size.append(scale_by_predicted_kl(**kl_control))
     target_tx = optax.chain(
-        scale_by_sketch(rank, base_seed, distribution, refresh, rules, round_bf16),
-        scale_by_row_adam(variant, b2, eps, rules),
+        scale_by_sketch(rank, base_seed, distribution, refresh, rules, round_bf16, implementation=implementation,
+                        interpret=interpret),
+        scale_by_row_adam(variant, b2, eps, rules, implementation=implementation, interpret=interpret),
         *step_size,
         negation,
     )

@@ -5,8 +5,11 @@ U = −D (the chain negates at its end). Per batch slice i (one layer) of a targ
   ΔW_i = bf16?(U_i) · A_i        (U_i [*rows, r] widened to float32, A_i [r, k] regenerated from the seed triple)
   W_i ← ((1 + c)·W_i + ΔW_i)     in float32, cast back to W's dtype,
 where c is the optional dense decay coefficient (decoupled weight decay, NeMo variant; None = 0) and the bf16
-rounding of U (the "wire" format) is on when `round_bf16` is set. A rollout engine that receives (U, step) and
-the static fields can repeat exactly this arithmetic.
+rounding of U (the "wire" format) is on when `round_bf16` is set. The merge runs with the update's
+`implementation`: "xla" (one einsum per slice) or "pallas" (`logra_jax.kernels.merge`, block-tiled, the slice
+updated in place; `interpret=True` on CPU). Both compute the same formula but need not agree to the last bit, so
+the implementation is part of the update's static fields: a rollout engine that receives (U, step) and the static
+fields (implementation included) repeats exactly this arithmetic.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from logra_jax.kernels.backend import Implementation, check_implementation
+from logra_jax.kernels.merge import merge as merge_kernel
 from logra_jax.optim.projection import (
     Distribution,
     check_nonneg_int,
@@ -35,7 +40,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class LowRankMeta:
-    """Static description of a low-rank update: which target, and how its projections are regenerated."""
+    """Static description of a low-rank update: which target, how its projections are regenerated, and how it is
+    merged (bf16 rounding of the factor; `implementation` "xla" | "pallas" of the merge, `interpret` for Pallas on
+    CPU)."""
 
     target: Target
     base_seed: int
@@ -43,6 +50,8 @@ class LowRankMeta:
     distribution: Distribution
     refresh: bool
     round_bf16: bool
+    implementation: Implementation = "xla"
+    interpret: bool = False
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -51,15 +60,16 @@ class LowRankUpdate:
 
     Children (traced): factor (*batch_shape, *rows_shape, r) float32; step int32 scalar (completed updates when
     the sketch was taken); decay: None or a float32 scalar c. Static: `meta` (LowRankMeta: target, base_seed,
-    rank, distribution, refresh, round_bf16). The projection of batch slice i is drawn for step
-    `step if refresh else 0` and path "target.path.i" (just the path when the target has no batch axes).
+    rank, distribution, refresh, round_bf16, implementation, interpret). The projection of batch slice i is drawn
+    for step `step if refresh else 0` and path "target.path.i" (just the path when the target has no batch axes).
 
     Generic optax transforms treat every leaf as a float: place them before `scale_by_sketch` (on the dense
     gradient), not after it, or they would also rescale `step`. Post-sketch transforms in logra_jax.optim
     act on `factor` (and `decay`) only.
 
     Raises:
-      TypeError/ValueError: a bad target, rank, distribution or base_seed, or a factor of the wrong shape.
+      TypeError/ValueError: a bad target, rank, distribution, base_seed or implementation, or a factor of the
+        wrong shape.
 
     Example:
       >>> import jax.numpy as jnp
@@ -72,7 +82,7 @@ class LowRankUpdate:
 
     def __init__(self, factor: jax.Array, step: jax.Array | int, *, target: Target, base_seed: int, rank: int,
                  distribution: Distribution = "rademacher", refresh: bool = True, round_bf16: bool = False,
-                 decay: jax.Array | None = None):
+                 decay: jax.Array | None = None, implementation: Implementation = "xla", interpret: bool = False):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a Target, got {target!r}")
         check_projection_args(rank, distribution)
@@ -85,7 +95,8 @@ class LowRankUpdate:
         self.step = jnp.asarray(step, jnp.int32)
         self.decay = decay
         self.meta = LowRankMeta(target=target, base_seed=int(base_seed), rank=int(rank),
-                                distribution=distribution, refresh=bool(refresh), round_bf16=bool(round_bf16))
+                                distribution=distribution, refresh=bool(refresh), round_bf16=bool(round_bf16),
+                                **_merge_settings(implementation, interpret, f"LowRankUpdate for {target.path}"))
 
     @property
     def target(self) -> Target:
@@ -117,6 +128,16 @@ class LowRankUpdate:
             raise ValueError(f"LowRankUpdate.replace: unknown field(s) {sorted(unknown)}")
         values = {"factor": self.factor, "step": self.step, "decay": self.decay, **children}
         return LowRankUpdate.tree_unflatten(self.meta, (values["factor"], values["step"], values["decay"]))
+
+    def with_merge(self, implementation: Implementation, interpret: bool = False) -> LowRankUpdate:
+        """The same update, merged by `implementation` ("xla" | "pallas"; `interpret` runs Pallas on CPU).
+
+        Raises:
+          ValueError: an unknown implementation; TypeError: a non-bool interpret.
+        """
+        settings = _merge_settings(implementation, interpret, f"LowRankUpdate for {self.meta.target.path}")
+        return LowRankUpdate.tree_unflatten(dataclasses.replace(self.meta, **settings),
+                                            (self.factor, self.step, self.decay))
 
     def check_step(self) -> None:
         """Raise TypeError unless `step` is an int32 scalar (a generic float transform after sketching breaks it)."""
@@ -165,13 +186,22 @@ class LowRankUpdate:
         return delta
 
     def merge(self, weight: jax.Array) -> jax.Array:
-        """W ← (1 + c)·W + U·A, one batch slice at a time (never more than one slice's ΔW in memory)."""
-        t = self.meta.target
+        """W ← (1 + c)·W + U·A, one batch slice at a time (never more than one slice's ΔW in memory; with
+        implementation "pallas" never more than one block of it)."""
+        m = self.meta
+        t = m.target
         if tuple(jnp.shape(weight)) != t.shape:
             raise ValueError(f"apply_updates: parameter {t.path} has shape {tuple(jnp.shape(weight))}, its "
                              f"low-rank update expects {t.shape}")
         draw, step, digests = self._draw()
-        return _merge(draw, self.wire_factor(), step, digests, self.decay, weight)
+        return _merge(draw, (m.implementation, m.interpret), self.wire_factor(), step, digests, self.decay, weight)
+
+
+def _merge_settings(implementation: str, interpret: bool, where: str) -> dict[str, Any]:
+    check_implementation(implementation, where)
+    if not isinstance(interpret, (bool, np.bool_)):
+        raise TypeError(f"{where}: interpret must be a bool, got {interpret!r}")
+    return {"implementation": implementation, "interpret": bool(interpret)}
 
 
 # (target geometry, base_seed, rank, distribution): everything static that selects the projections; the slices'
@@ -210,18 +240,36 @@ def _dense(draw: _Draw, u: jax.Array, step: jax.Array, digests: jax.Array) -> ja
     return _from_slices(delta, t)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _merge(draw: _Draw, u: jax.Array, step: jax.Array, digests: jax.Array, decay: jax.Array | None,
-           weight: jax.Array) -> jax.Array:
+def _slice_merge_kernel(draw: _Draw, step: jax.Array, u_i: jax.Array, digest_i: jax.Array, w_i: jax.Array,
+                        interpret: bool) -> jax.Array:
+    """w_i + U_i A_i by the Pallas merge kernel, which wants the slice as K [k, d]: a transpose (no-op for
+    Flax-layout [k, d] kernels) and reshapes there and back."""
+    t, rank = draw[0], draw[2]
+    non_batch = [a for a in range(len(t.shape)) if a not in t.batch_axes]
+    perm = [non_batch.index(a) for a in t.dims.width + t.dims.rows]
+    kernel = jnp.transpose(w_i, perm).reshape(t.k, t.d)
+    a = _slice_projection(draw, step, digest_i)
+    out = merge_kernel(kernel, u_i.reshape(t.d, rank), a, implementation="pallas", interpret=interpret)
+    return jnp.transpose(out.reshape(*t.width_shape, *t.rows_shape), np.argsort(perm))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _merge(draw: _Draw, how: tuple[str, bool], u: jax.Array, step: jax.Array, digests: jax.Array,
+           decay: jax.Array | None, weight: jax.Array) -> jax.Array:
     t = draw[0]
+    implementation, interpret = how
     u = u.reshape(t.num_slices, *t.rows_shape, draw[2])
     w = _to_slices(weight, t)
 
     def body(i: jax.Array, w: jax.Array) -> jax.Array:
-        w_i = w[i].astype(jnp.float32)
+        w_i = w[i]
         if decay is not None:
-            w_i = (1.0 + decay.astype(jnp.float32)) * w_i
-        return w.at[i].set((w_i + _slice_delta(draw, step, u[i], digests[i])).astype(w.dtype))
+            w_i = (1.0 + decay.astype(jnp.float32)) * w_i.astype(jnp.float32)
+        if implementation == "pallas":
+            merged = _slice_merge_kernel(draw, step, u[i], digests[i], w_i, interpret)
+        else:
+            merged = w_i.astype(jnp.float32) + _slice_delta(draw, step, u[i], digests[i])
+        return w.at[i].set(merged.astype(w.dtype))
 
     return _from_slices(jax.lax.fori_loop(0, t.num_slices, body, w), t)
 
@@ -251,6 +299,8 @@ def is_lowrank(x: Any) -> bool:
 def apply_updates(params: Any, updates: Any) -> Any:
     """params + updates, merging low-rank leaves: W ← (1 + c)·W + bf16?(U)·A layer by layer.
 
+    Each low-rank leaf is merged by its own `meta.implementation` ("xla" or "pallas", set by the optimizer, e.g.
+    `logra(implementation=...)`), so a rollout engine rebuilding the same updates repeats the same arithmetic.
     Plain leaves add as in `optax.apply_updates` (result cast to the parameter's dtype); None or
     optax.MaskedNode updates leave the parameter unchanged.
 

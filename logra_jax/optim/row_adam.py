@@ -10,6 +10,10 @@ Per target batch slice (one layer) with sketch S [d, r], row moment v [d] (float
 `tiny` is the smallest normal float32. The row moment is indexed by output row, so it survives projection
 refresh. The paper's unit-RMS s is computed as (min_i den_i / den_i) rescaled to unit RMS: the same vector,
 without overflowing 1/den when ρ underflows.
+
+implementation="xla" runs the jnp code below; "pallas" runs `logra_jax.kernels.row_moment` (one fused pass over
+each layer's S, vmapped over the stacked layers), the same equations in another order of float32 operations
+(equal to ~1e-6 relative, not bitwise).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from logra_jax.kernels.backend import Implementation, check_implementation
+from logra_jax.kernels.row_moment import row_moment
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
@@ -70,10 +76,12 @@ def _lookup(tree: Mapping[str, Any], target: Target) -> jax.Array:
 
 
 def row_adam_direction(s: jax.Array, v: jax.Array, count: jax.Array, target: Target, variant: Variant,
-                       b2: float | jax.Array, eps: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+                       b2: float | jax.Array, eps: float | jax.Array, *, implementation: Implementation = "xla",
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """One RowAdam step of one target: (D, new v) from sketch s (*batch, *rows, r) and v (*batch, *rows).
 
     `count` is the number of completed updates (t = count + 1). Statistics are per batch slice (per layer).
+    implementation "pallas" runs the `row_moment` kernel on each slice (rows flattened to d; `interpret` for CPU).
 
     Example:
       >>> import jax.numpy as jnp
@@ -86,6 +94,8 @@ def row_adam_direction(s: jax.Array, v: jax.Array, count: jax.Array, target: Tar
     """
     if variant == "sgd":
         return s, v
+    if implementation == "pallas":
+        return _row_moment_slices(s, v, count, target, variant, b2, eps, interpret)
     nb, nr = len(target.batch_shape), len(target.rows_shape)
     rows = tuple(range(nb, nb + nr))
     v = b2 * v + (1.0 - b2) * jnp.mean(jnp.square(s), axis=-1)
@@ -104,8 +114,22 @@ def row_adam_direction(s: jax.Array, v: jax.Array, count: jax.Array, target: Tar
     return d_tilde * restore, v
 
 
+def _row_moment_slices(s: jax.Array, v: jax.Array, count: jax.Array, target: Target, variant: Variant,
+                       b2: float | jax.Array, eps: float | jax.Array, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """The Pallas row_moment kernel on every batch slice: S_l viewed as [d, r], v_l as [d], vmapped over l."""
+    n, r = target.num_slices, s.shape[-1]
+
+    def one(s_l: jax.Array, v_l: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return row_moment(s_l, v_l, count, b2=b2, eps=eps, variant=variant, implementation="pallas",
+                          interpret=interpret)
+
+    v_new, d = jax.vmap(one)(s.reshape(n, target.d, r), v.reshape(n, target.d))
+    return d.reshape(s.shape), v_new.reshape(v.shape)
+
+
 def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float = 1e-8,
-                      rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES) -> optax.GradientTransformationExtraArgs:
+                      rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES, *, implementation: Implementation = "xla",
+                      interpret: bool = False) -> optax.GradientTransformationExtraArgs:
     """RowAdam on low-rank updates: factor S → D per LOGRA.md §4 (see the module docstring for the equations).
 
     Acts on LowRankUpdate leaves (place after `scale_by_sketch`); other leaves pass through unchanged.
@@ -115,13 +139,17 @@ def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float =
       b2: β₂ of the row second moment.
       eps: ε (relative to mean ρ for "paper", absolute for "nemo").
       rules: the TargetRule sequence used by `scale_by_sketch` (init finds the targets in the params with it).
+      implementation: "xla" (jnp) or "pallas" (the fused `kernels.row_moment`, one pass over each layer's S).
+      interpret: Pallas only: run the kernel in the Pallas interpreter (required on CPU).
 
     Returns:
       An optax.GradientTransformationExtraArgs with RowAdamState (row moments [*batch, *rows] float32 per
       target, placed like the weight rows when init gets concretely sharded parameters).
 
     Raises:
-      ValueError: unknown variant, b2 outside [0, 1), eps < 0; at update, a low-rank leaf without row moment.
+      ValueError: unknown variant or implementation, b2 outside [0, 1), eps < 0; at update, a low-rank leaf
+        without row moment.
+      TypeError: interpret is not a bool.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -140,6 +168,9 @@ def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float =
     if isinstance(eps, (int, float)) and not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     rules = check_rules(rules)
+    check_implementation(implementation, "scale_by_row_adam")
+    if not isinstance(interpret, bool):
+        raise TypeError(f"scale_by_row_adam: interpret must be a bool, got {interpret!r}")
 
     def init_fn(params: Any) -> RowAdamState:
         targets = find_targets(params, rules)
@@ -163,7 +194,8 @@ def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float =
             u.check_step()
             t = u.target
             v = jnp.zeros((), jnp.float32) if variant == "sgd" else _lookup(state.row_moment, t)
-            d, v = row_adam_direction(u.factor.astype(jnp.float32), v, state.count, t, variant, b2, eps)
+            d, v = row_adam_direction(u.factor.astype(jnp.float32), v, state.count, t, variant, b2, eps,
+                                      implementation=implementation, interpret=interpret)
             if variant != "sgd":
                 new_moments[t.keys] = v.astype(jnp.float32)
             return u.replace(factor=d)

@@ -4,7 +4,8 @@
   - a `SketchProbe` [*batch, d, r] (zeros; its gradient is the sketch S, logical axes follow the weight rows),
   - a `SketchDigest` [*batch, 2] (BLAKE2b digest words of each slice's canonical path, LOGRA.md §2),
   - a hook that, inside `sketching(step)`, regenerates A = projection(seed(base, step, path)) per layer and runs
-    `kernels.sketched_linear` (forward keeps X Aᵀ, backward returns Hᵀ(X Aᵀ) into the probe).
+    `kernels.sketched_linear` (forward keeps X Aᵀ, backward returns Hᵀ(X Aᵀ) into the probe) with the spec's
+    `implementation` ("xla" einsums, or the fused Pallas kernels; `interpret=True` runs those on CPU).
 Outside a `sketching` block the hooked layers compute the plain y = x·K, so rollouts and evaluation are unchanged.
 Inside `sketching(step, kind="tangent")` they compute y = x·K + (X Aᵀ)·Pᵀ, whose JVP with respect to the probes
 with tangent U gives δy = (X Aᵀ) Uᵀ = X·ΔKᵀ-free: the factored form of the low-rank update ΔW = U·A, used by the
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from logra_jax.kernels.backend import Implementation, check_implementation
 from logra_jax.kernels.project import sketched_linear
 from logra_jax.models.layers import Linear
 from logra_jax.optim.projection import digest_words, key_from_digest, projection
@@ -43,18 +45,29 @@ class SketchDigest(nnx.Variable):
 
 @dataclasses.dataclass(frozen=True)
 class SketchSpec:
-    """How target layers sketch: rank r, projection seed base and distribution, refresh every step."""
+    """How target layers sketch: rank r, projection seed base and distribution, refresh every step, and which
+    `kernels.sketched_linear` implementation runs the layer ("xla", or "pallas" with `interpret=True` on CPU).
+
+    Example:
+      >>> SketchSpec(rank=8, implementation="pallas", interpret=True).implementation
+      'pallas'
+    """
 
     rank: int
     base_seed: int = 42
     distribution: Literal["rademacher", "gaussian"] = "rademacher"
     refresh: bool = True
+    implementation: Implementation = "xla"
+    interpret: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"SketchSpec.rank must be a positive integer, got {self.rank!r}")
         if self.distribution not in ("rademacher", "gaussian"):
             raise ValueError(f"SketchSpec.distribution must be 'rademacher' or 'gaussian', got {self.distribution!r}")
+        check_implementation(self.implementation, "SketchSpec.implementation")
+        if not isinstance(self.interpret, bool):
+            raise TypeError(f"SketchSpec.interpret must be a bool, got {self.interpret!r}")
 
 
 class _Mode(NamedTuple):
@@ -94,7 +107,8 @@ class LowRankHook:
             return jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
         a = self.projection(mode.step, digest, kernel.shape[-2])
         if mode.kind == "sketch":
-            return sketched_linear(x, jax.lax.stop_gradient(kernel), jax.lax.stop_gradient(a), probe)
+            return sketched_linear(x, jax.lax.stop_gradient(kernel), jax.lax.stop_gradient(a), probe,
+                                   implementation=self.spec.implementation, interpret=self.spec.interpret)
         y = jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
         p = jnp.einsum("...k,rk->...r", x, a.astype(x.dtype))
         return y + jnp.einsum("...r,dr->...d", p, probe.astype(x.dtype))

@@ -1,5 +1,6 @@
 """Compile-only memory on 8 fake devices (FSDP): the sketch-native LoGRA step saves at least 80% of the fp32
-target-gradient bytes per device against the dense-gradient-mode LoGRA step (issue 4's memory criterion)."""
+target-gradient bytes per device against the dense-gradient-mode LoGRA step (issue 4's memory criterion); and
+dense-gradient mode draws one layer's projections at a time."""
 
 import math
 
@@ -10,7 +11,7 @@ from flax import nnx
 from logra_jax import sharding as shd
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.optim import find_targets, logra
+from logra_jax.optim import find_targets, logra, scale_by_sketch
 from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
@@ -69,3 +70,21 @@ def test_sketch_native_saves_the_target_gradient():
     # Both steps hold the same weights and row moments: the arguments differ only by the sketch probes.
     assert native["argument"] - dense["argument"] < 0.05 * grad_per_device
     assert saved >= 0.8 * grad_per_device
+
+
+def test_dense_gradient_sketch_temporaries_do_not_grow_with_layers():
+    """scale_by_sketch draws A_l inside a loop over layers: its temporaries are those of one layer's A, whatever L
+    (drawing all layers' A at once would make them grow linearly with L)."""
+    k, d, r = 4096, 32, 64
+
+    def temp_bytes(layers: int) -> int:
+        grads = {"up_proj": {"kernel": jax.ShapeDtypeStruct((layers, k, d), jnp.float32)}}
+        tx = scale_by_sketch(rank=r)
+        state = jax.eval_shape(tx.init, grads)
+        sketch = jax.jit(lambda g, s: tx.update(g, s)[0]["up_proj"]["kernel"].factor)
+        return sketch.lower(grads, state).compile().memory_analysis().temp_size_in_bytes
+
+    few, many = temp_bytes(4), temp_bytes(16)
+    print(f"scale_by_sketch temporaries: {few / 2**20:.1f} MiB at 4 layers, {many / 2**20:.1f} MiB at 16 layers "
+          f"(one layer's A: {r * k * 4 / 2**20:.1f} MiB)")
+    assert many <= 1.25 * few
