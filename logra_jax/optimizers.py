@@ -94,7 +94,8 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                update_ratio=cfg.update_ratio,
                lr=cfg.learning_rate if cfg.variant == "nemo" else None,
                weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,
-               non_target_tx=non_target_tx, round_bf16=cfg.round_bf16, kl_control=kl)
+               non_target_tx=non_target_tx, round_bf16=cfg.round_bf16, kl_control=kl,
+               implementation=cfg.implementation, interpret=cfg.interpret)
     targets = find_targets(params, DEFAULT_TARGET_RULES)
     is_target = lambda path, _: ".".join(map(str, path)) in targets
     frozen = cfg.non_targets == "frozen"
@@ -102,7 +103,8 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
         trainable = None if frozen else (lambda path, v: not is_target(path, v))
     else:  # trainable = everything that gets a dense gradient
         trainable = is_target if frozen else None
-    spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh)
+    spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
+                      implementation=cfg.implementation, interpret=cfg.interpret)
     if cfg.sketch_native or cfg.kl_control:
         attach_sketch_probes(model, spec)
     return OptimizerPlan(tx, mode="sketch_native" if cfg.sketch_native else "dense", trainable=trainable,

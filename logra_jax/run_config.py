@@ -171,7 +171,8 @@ class OptimizerSection:
     GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd), learning_rate (nemo), refresh,
     distribution, base_seed, b2, eps, round_bf16, sketch_native, non_targets ("frozen" | "adamw"), and the
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
-    subtract_mismatch, probe_responses per step)."""
+    subtract_mismatch, probe_responses per step). implementation: "xla" or "pallas" kernels for the sketched
+    projection, RowAdam and the merge (interpret: run Pallas in interpret mode, for CPU tests)."""
 
     name: str = "logra"
     learning_rate: float = 1e-4
@@ -195,9 +196,12 @@ class OptimizerSection:
     alpha_max: float = 3.0
     subtract_mismatch: bool = False
     probe_responses: int = 2
+    implementation: str = "xla"
+    interpret: bool = False
 
     def validate(self) -> None:
         _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore"))
+        _check_choice("optimizer", "implementation", self.implementation, ("xla", "pallas"))
         _check_choice("optimizer", "variant", self.variant, ("paper", "nemo", "sgd"))
         _check_choice("optimizer", "distribution", self.distribution, ("rademacher", "gaussian"))
         _check_choice("optimizer", "non_targets", self.non_targets, ("frozen", "adamw"))

@@ -44,6 +44,7 @@ from logra_jax.models.config import ModelConfig, preset
 from logra_jax.models.decoder import Decoder, init_model
 from logra_jax.optim import find_targets, logra
 from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
+from logra_jax.optimizers import per_layer
 from logra_jax.rl.logprobs import token_logprobs
 from logra_jax.train_step import TrainState, make_train_step
 
@@ -101,18 +102,6 @@ def dense_bench(config: ModelConfig, tx: optax.GradientTransformation, trainable
 
     graphdef = nnx.split(nnx.eval_shape(lambda: init_model(config)), nnx.Param, ...)[0]
     return Bench(init, make_train_step(graphdef, rl_loss, tx, trainable=trainable))
-
-
-def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`tx` applied to each slice of the leading (layers) axis on its own, one layer at a time (`lax.map`)."""
-    def init(params):
-        return jax.vmap(tx.init)(params)
-
-    def update(updates, state, params=None):
-        del params
-        return jax.lax.map(lambda us: tx.update(us[0], us[1]), (updates, state))
-
-    return optax.GradientTransformation(init, update)
 
 
 def labels(params: Any) -> Any:

@@ -167,6 +167,7 @@ class TargetFactor:
       decay: None or the float32 scalar c of a decayed merge (NeMo variant).
       step, base_seed, rank, distribution, refresh, round_bf16: the LowRankUpdate's fields.
       shape, rows, width: the kernel's shape and its MatrixDims (normalised axes).
+      implementation, interpret: the merge kernel the trainer used (the rollout side repeats it exactly).
     """
 
     factor: np.ndarray
@@ -180,9 +181,12 @@ class TargetFactor:
     shape: tuple[int, ...]
     rows: tuple[int, ...]
     width: tuple[int, ...]
+    implementation: str = "xla"
+    interpret: bool = False
 
     def meta(self) -> dict[str, Any]:
-        fields = ("step", "base_seed", "rank", "distribution", "refresh", "round_bf16", "shape", "rows", "width")
+        fields = ("step", "base_seed", "rank", "distribution", "refresh", "round_bf16", "shape", "rows", "width",
+                  "implementation", "interpret")
         out = {f: getattr(self, f) for f in fields}
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
@@ -195,7 +199,8 @@ class TargetFactor:
         decay = None if self.decay is None else jnp.asarray(self.decay, jnp.float32)
         return LowRankUpdate(jnp.asarray(self.factor, jnp.float32), self.step, target=target,
                              base_seed=self.base_seed, rank=self.rank, distribution=self.distribution,
-                             refresh=self.refresh, round_bf16=self.round_bf16, decay=decay)
+                             refresh=self.refresh, round_bf16=self.round_bf16, decay=decay,
+                             implementation=self.implementation, interpret=self.interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +261,8 @@ class SyncPayload:
                     factor=arrays[f"factor/{p}"], decay=arrays.get(f"decay/{p}"), step=int(m["step"]),
                     base_seed=int(m["base_seed"]), rank=int(m["rank"]), distribution=str(m["distribution"]),
                     refresh=bool(m["refresh"]), round_bf16=bool(m["round_bf16"]), shape=tuple(m["shape"]),
-                    rows=tuple(m["rows"]), width=tuple(m["width"]))
+                    rows=tuple(m["rows"]), width=tuple(m["width"]),
+                    implementation=str(m["implementation"]), interpret=bool(m["interpret"]))
             pick = lambda prefix: {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
             return cls(kind=meta["kind"], version=int(meta["version"]), parent=meta["parent"], factors=factors,
                        dense=pick("dense/"), weights=pick("weight/"),
@@ -326,7 +332,7 @@ def delta_payload(updates: Any, params: Any, version: int, *, trained: Collectio
         factors[p] = TargetFactor(factor=np.asarray(factor), decay=None if decay is None else np.asarray(decay),
                                   step=int(step), base_seed=m.base_seed, rank=m.rank, distribution=m.distribution,
                                   refresh=m.refresh, round_bf16=m.round_bf16, shape=t.shape, rows=t.dims.rows,
-                                  width=t.dims.width)
+                                  width=t.dims.width, implementation=m.implementation, interpret=m.interpret)
     return _sealed(kind="delta", version=version, parent=version - 1, factors=factors,
                    dense={p: np.asarray(a) for p, a in dense.items()}, weights={},
                    fingerprint=weight_fingerprint(params))

@@ -15,8 +15,6 @@ import sys
 import numpy as np
 
 BATCH, LENGTH, SEED = 8, 17, 0
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_cpu_use_fusion_emitters": False}
 
 
 def make_problem():
@@ -61,12 +59,12 @@ def main(process_id: int, num_processes: int, port: int, out: str, timeout_s: in
     init_fn, step_fn, batch = make_problem()
     (state, rest), (state_sh, rest_sh) = shd.init_sharded(
         init_fn, lambda s: (shd.train_state_shardings(s[0], mesh), shd.param_shardings(s[1], mesh)),
-        compiler_options=FAST_COMPILE)
+        compiler_options=shd.FAST_CPU_COMPILE)
     batch_sh = shd.batch_shardings(batch, mesh)
     global_batch = {k: jax.make_array_from_callback(v.shape, batch_sh[k], lambda idx, v=v: v[idx])
                     for k, v in batch.items()}
     step = shd.jit_train_step(step_fn, mesh, in_shardings=(state_sh, rest_sh, batch_sh),
-                              out_shardings=(state_sh, shd.replicated(mesh)), compiler_options=FAST_COMPILE)
+                              out_shardings=(state_sh, shd.replicated(mesh)), compiler_options=shd.FAST_CPU_COMPILE)
     state, metrics = step(state, rest, global_batch)
     params = multihost_utils.process_allgather(jax.tree.leaves(state.params), tiled=True)
     loss = multihost_utils.process_allgather(metrics["loss"], tiled=True)

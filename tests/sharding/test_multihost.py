@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from logra_jax.multihost import DistributedConfig, DistributedInitError, rendezvous
+from logra_jax.sharding import FAST_CPU_COMPILE
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -62,8 +63,8 @@ def test_two_processes_match_single_process(tmp_path):
     worker = _load_worker()
     init_fn, step_fn, batch = worker.make_problem()
     with jax.default_device(jax.devices()[0]):
-        state, rest = jax.jit(init_fn, compiler_options=worker.FAST_COMPILE)()
-        state, metrics = jax.jit(step_fn, compiler_options=worker.FAST_COMPILE)(state, rest, batch)
+        state, rest = jax.jit(init_fn, compiler_options=FAST_CPU_COMPILE)()
+        state, metrics = jax.jit(step_fn, compiler_options=FAST_CPU_COMPILE)(state, rest, batch)
     np.testing.assert_allclose(got["loss"], metrics["loss"], rtol=1e-5)
     for i, ref in enumerate(jax.tree.leaves(state.params)):
         np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-5, atol=1e-6)

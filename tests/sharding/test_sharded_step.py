@@ -26,8 +26,7 @@ MESHES = {"fsdp8": shd.MeshConfig(fsdp=8), "fsdp4_tensor2": shd.MeshConfig(fsdp=
 STEPS = 2
 RANK = 4
 # Compile time dominates these tests; LLVM optimisation only changes code speed.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_cpu_use_fusion_emitters": False}
+FAST_COMPILE = shd.FAST_CPU_COMPILE
 
 
 def _tx(name: str) -> optax.GradientTransformation:
