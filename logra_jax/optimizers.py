@@ -1,6 +1,7 @@
 """The optimizer choices of a run, as optax transformations plus what the train step needs to drive them.
 
-  adamw   optax.adamw on every parameter (dense gradients; the memory baseline).
+  adamw      optax.adamw on every parameter (dense gradients; the memory baseline).
+  adafactor  optax.adafactor on every parameter (factored second moments).
   galore  optax.contrib GaLore (Adam inside, rank r) on each layer of the stacked target kernels, AdamW elsewhere.
   logra   logra_jax.optim.logra on the targets (dense-gradient or sketch-native), non-targets frozen or AdamW,
           optionally with predicted-KL step control.
@@ -75,6 +76,8 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
     params = nnx.state(model, nnx.Param)
     if cfg.name == "adamw":
         return OptimizerPlan(_adamw(cfg))
+    if cfg.name == "adafactor":
+        return OptimizerPlan(optax.adafactor(cfg.learning_rate))
     if cfg.name == "galore":
         galore = per_layer(optax.contrib.scale_by_galore(rank=cfg.rank, update_proj_gap=GALORE_UPDATE_GAP,
                                                          base_optimizer=optax.scale_by_adam()))

@@ -167,7 +167,8 @@ class AlgorithmSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    """name: "logra" | "adamw" | "galore". AdamW/GaLore use learning_rate, weight_decay and grad_clip (0 = off);
+    """name: "logra" | "adamw" | "galore" | "adafactor". AdamW/GaLore use learning_rate, weight_decay and grad_clip
+    (0 = off), Adafactor learning_rate;
     GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd), learning_rate (nemo), refresh,
     distribution, base_seed, b2, eps, round_bf16, sketch_native, non_targets ("frozen" | "adamw"), and the
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
@@ -200,7 +201,7 @@ class OptimizerSection:
     interpret: bool = False
 
     def validate(self) -> None:
-        _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore"))
+        _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore", "adafactor"))
         _check_choice("optimizer", "implementation", self.implementation, ("xla", "pallas"))
         _check_choice("optimizer", "variant", self.variant, ("paper", "nemo", "sgd"))
         _check_choice("optimizer", "distribution", self.distribution, ("rademacher", "gaussian"))

@@ -34,7 +34,7 @@ from logra_jax.optimizers import build_optimizer
 from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
 from logra_jax.rl.evaluation import greedy_accuracy
 from logra_jax.rl.losses import LossConfig
-from logra_jax.rl.objective import make_policy_loss_fn, response_logprobs
+from logra_jax.rl.objective import make_policy_loss_fn, response_logprobs, rl_batch_shapes
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
 from logra_jax.rl.rollout_worker import rollout_engine
@@ -62,18 +62,6 @@ def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
     return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
             "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
             "rollout_logprobs": rollout.logprobs, "finished": rollout.finished}
-
-
-def _abstract_batch(rows: int, prompt_len: int, new_tokens: int, with_ref: bool
-                    ) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes of `_rl_batch` (fixed for a run: the shardings of the jitted step are built from them)."""
-    sds, length = jax.ShapeDtypeStruct, prompt_len + new_tokens
-    batch = {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
-             "response_mask": sds((rows, new_tokens), jnp.bool_), "advantages": sds((rows,), jnp.float32),
-             "rollout_logprobs": sds((rows, new_tokens), jnp.float32), "finished": sds((rows,), jnp.bool_)}
-    if with_ref:
-        batch["ref_logprobs"] = sds((rows, new_tokens), jnp.float32)
-    return batch
 
 
 def _abstract_probe(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -162,8 +150,8 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     rest_sh = param_shardings(rest, mesh, sources=state.params)
     state, rest = jax.device_put(state, state_sh), jax.device_put(rest, rest_sh)
     n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
-    batch_sh = batch_shardings(_abstract_batch(n_rows, prompt_len, run.rollout.max_new_tokens,
-                                                 run.algorithm.kl_beta > 0), mesh)
+    batch_sh = batch_shardings(rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens,
+                                                 with_ref=run.algorithm.kl_beta > 0), mesh)
     probe_sh = batch_shardings(_abstract_probe(run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens),
                                mesh) if plan.kl_probe is not None else None
     step_fn = jit_train_step(lambda st, rs, b, pr: train_step(st, rs, b, **({} if pr is None else {"probe": pr})),

@@ -7,13 +7,15 @@ XLA's memory analysis gives per-device bytes = arguments + outputs + temporaries
 
   python experiments/memory/run.py          # all models × meshes × optimizers → results.json, memory.png, table
 
-Optimizers (one step of each, the same RL loss):
+Optimizers (one step of each, the training loop's own step and RL objective: REINFORCE + TIS on the response
+tokens, log-probs in chunks; built by logra_jax.optimizers from run-config sections, measured by
+logra_jax.memory_analysis.rl_step_memory):
   adamw                 optax.adamw on every parameter (dense gradients, two dense moments).
-  galore                optax.contrib.galore (rank 256, Adam inside) on the attention/MLP kernels, one layer at a
+  galore                optax.contrib GaLore (rank 256, Adam inside) on the attention/MLP kernels, one layer at a
                         time (GaLore projects 2-D matrices; our kernels are stacked [L, in, out]); AdamW elsewhere.
   adafactor             optax.adafactor on every parameter (factored second moments).
   logra_dense_grad      logra_jax.optim.logra in dense-gradient mode: targets only, everything else frozen.
-  logra_sketch_native   sketch-native LoGRA (no dense gradient): `build_logra_sketch_native`.
+  logra_sketch_native   sketch-native LoGRA (no dense gradient of any target).
 """
 
 from __future__ import annotations
@@ -25,28 +27,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import concurrent.futures
-import dataclasses
 import json
 import multiprocessing
-import re
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
 
 from logra_jax import sharding as shd
-from logra_jax.models.config import ModelConfig, preset
-from logra_jax.models.decoder import Decoder, init_model
-from logra_jax.optim import find_targets, logra
-from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
-from logra_jax.optimizers import per_layer
-from logra_jax.rl.logprobs import token_logprobs
-from logra_jax.train_step import TrainState, make_train_step
+from logra_jax.memory_analysis import paper_numerics, rl_step_memory
+from logra_jax.run_config import OptimizerSection
 
 MODELS = {  # results key → preset
     "SmolLM2-135M": "smollm2-135m",
@@ -57,108 +47,28 @@ MODELS = {  # results key → preset
 DEVICE_COUNTS = (4, 8)
 OPTIMIZERS = ("adamw", "galore", "adafactor", "logra_dense_grad", "logra_sketch_native")
 SEQ_LEN = 4096
+PROMPT_LEN = 512
 RANK = 256
 LOGPROB_CHUNK = 512
-TARGET_PATTERN = re.compile(r"blocks\.(attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.kernel$")
 GIB = 2.0 ** 30
 
-def bench_config(name: str) -> ModelConfig:
-    """The preset at the paper's numerics: bf16 compute, fp32 weights, full remat per block, chunked attention."""
-    return preset(name, dtype="bfloat16", remat="full", attention_impl="chunked", attention_chunk=512,
-                  max_seq_len=max(SEQ_LEN, preset(name).max_seq_len))
-
-
-def rl_loss(model: Decoder, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """REINFORCE: −Σ A_b · log π(y_bt) · m_bt / Σ m, log-probs in chunks (no [T, V] logits)."""
-    hidden = model.features(batch["tokens"])
-    logp = token_logprobs(hidden, model.head_weight(), batch["targets"], chunk=LOGPROB_CHUNK)
-    mask = batch["mask"].astype(jnp.float32)
-    loss = -jnp.sum(batch["advantages"][:, None] * logp * mask) / jnp.maximum(mask.sum(), 1.0)
-    return loss, {}
-
-
-def abstract_batch(global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
-    tokens = jax.ShapeDtypeStruct((global_batch, SEQ_LEN), jnp.int32)
-    return {"tokens": tokens, "targets": tokens, "mask": jax.ShapeDtypeStruct((global_batch, SEQ_LEN), jnp.bool_),
-            "advantages": jax.ShapeDtypeStruct((global_batch,), jnp.float32)}
-
-
-def is_target(path: tuple, _: Any) -> bool:
-    return TARGET_PATTERN.search(".".join(str(p) for p in path)) is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class Bench:
-    """What one optimizer contributes: state initialisation and a pure train step over it."""
-
-    init: Callable[[], tuple[TrainState, nnx.State]]
-    step: Callable[..., tuple[TrainState, dict[str, jax.Array]]]
-
-
-def dense_bench(config: ModelConfig, tx: optax.GradientTransformation, trainable=None) -> Bench:
-    def init():
-        _, params, rest = nnx.split(init_model(config), nnx.Param, ...)
-        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32)), rest
-
-    graphdef = nnx.split(nnx.eval_shape(lambda: init_model(config)), nnx.Param, ...)[0]
-    return Bench(init, make_train_step(graphdef, rl_loss, tx, trainable=trainable))
-
-
-def labels(params: Any) -> Any:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: "galore" if is_target(tuple(getattr(k, "key", k) for k in path[:-1]), None) else "adamw",
-        params)
-
-
-def build_adamw(config: ModelConfig) -> Bench:
-    return dense_bench(config, optax.adamw(1e-6))
-
-
-def build_galore(config: ModelConfig) -> Bench:
-    galore = per_layer(optax.contrib.scale_by_galore(rank=RANK, base_optimizer=optax.scale_by_adam()))
-    tx = optax.partition({"galore": optax.chain(galore, optax.scale(-1e-6)), "adamw": optax.adamw(1e-6)}, labels)
-    return dense_bench(config, tx)
-
-
-def build_adafactor(config: ModelConfig) -> Bench:
-    return dense_bench(config, optax.adafactor(1e-6))
-
-
-def build_logra_dense_grad(config: ModelConfig) -> Bench:
-    return dense_bench(config, logra(rank=RANK), trainable=is_target)
-
-
-def build_logra_sketch_native(config: ModelConfig) -> Bench:
-    """Sketch probes on the targets; the step differentiates w.r.t. the probes only (no dense gradient)."""
-    spec = SketchSpec(rank=RANK)
-    tx = logra(rank=RANK)
-
-    def make_model() -> Decoder:
-        model = init_model(config)
-        attach_sketch_probes(model, spec)
-        return model
-
-    def init():
-        _, params, rest = nnx.split(make_model(), nnx.Param, ...)
-        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32)), rest
-
-    abstract = nnx.eval_shape(make_model)
-    graphdef, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
-    return Bench(init, make_train_step(graphdef, rl_loss, tx, mode="sketch_native", spec=spec, round_bf16=True,
-                                       targets=find_targets(abstract_params)))
-
-
-BUILDERS = {"adamw": build_adamw, "galore": build_galore, "adafactor": build_adafactor,
-            "logra_dense_grad": build_logra_dense_grad, "logra_sketch_native": build_logra_sketch_native}
+# The optimizers compared, as a run config would name them (logra_jax.optimizers builds them).
+OPTIMIZER_SECTIONS = {
+    "adamw": OptimizerSection(name="adamw", learning_rate=1e-6),
+    "galore": OptimizerSection(name="galore", learning_rate=1e-6, rank=RANK),
+    "adafactor": OptimizerSection(name="adafactor", learning_rate=1e-6),
+    "logra_dense_grad": OptimizerSection(name="logra", rank=RANK, sketch_native=False),
+    "logra_sketch_native": OptimizerSection(name="logra", rank=RANK, sketch_native=True),
+}
 
 
 def measure(model: str, devices: int, optimizer: str, fast: bool, tensor: int = 1) -> dict[str, int]:
     """One cell of the table (runs in a worker process): FSDP over `devices`, or fsdp × tensor."""
     start = time.perf_counter()
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=-1, tensor=tensor), jax.devices()[:devices])
-    bench = BUILDERS[optimizer](bench_config(MODELS[model]))
-    mem = shd.step_memory(bench.step, bench.init, abstract_batch(mesh.size), mesh,
-                          compiler_options=shd.FAST_CPU_COMPILE if fast else None)
+    mem = rl_step_memory(paper_numerics(MODELS[model], SEQ_LEN), OPTIMIZER_SECTIONS[optimizer], mesh,
+                         seq_len=SEQ_LEN, prompt_len=PROMPT_LEN, logprob_chunk=LOGPROB_CHUNK,
+                         compiler_options=shd.FAST_CPU_COMPILE if fast else None)
     parts = " ".join(f"{name} {mem[name] / GIB:.2f}" for name in ("argument", "output", "temp", "alias"))
     print(f"{cell_key(model, devices, tensor)} {optimizer:20s} {mem['total'] / GIB:7.2f} GiB  ({parts}) "
           f"{time.perf_counter() - start:.1f}s", flush=True)

@@ -3,7 +3,7 @@
   python experiments/sketch_native/bench.py                  # both parts → results.json, bench.png, tables
   python experiments/sketch_native/bench.py --skip-memory --layers 8 --repeats 5     # a quicker timing run
 
-Memory (compile-only, nothing allocated; experiments/memory/run.py's setting and builders): one 4096-token
+Memory (compile-only, nothing allocated; experiments/memory/run.py's setting and optimizers): one 4096-token
 sequence per device, bf16 compute, fp32 weights, full remat, FSDP over 4 and 8 fake CPU devices, rank 256;
 per-device bytes = argument + output + temp − alias (`logra_jax.sharding.step_memory`) for SmolLM2-135M and
 Qwen2.5-Math-1.5B shapes:

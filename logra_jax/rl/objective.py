@@ -20,6 +20,19 @@ from logra_jax.rl.logprobs import token_logprobs
 from logra_jax.rl.losses import LossConfig, aggregate, policy_loss
 
 
+def rl_batch_shapes(rows: int, prompt_length: int, new_tokens: int, *, with_ref: bool = False
+                    ) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch this objective reads, as ShapeDtypeStructs (fixed per run: shardings and compile-only analysis
+    are built from it). `with_ref`: include ref_logprobs (reference-KL penalty)."""
+    sds, length = jax.ShapeDtypeStruct, prompt_length + new_tokens
+    batch = {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
+             "response_mask": sds((rows, new_tokens), jnp.bool_), "advantages": sds((rows,), jnp.float32),
+             "rollout_logprobs": sds((rows, new_tokens), jnp.float32), "finished": sds((rows,), jnp.bool_)}
+    if with_ref:
+        batch["ref_logprobs"] = sds((rows, new_tokens), jnp.float32)
+    return batch
+
+
 def response_logprobs(model: nnx.Module, tokens: jax.Array, attention_mask: jax.Array, prompt_length: int, *,
                       temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False):
     """log softmax(z/τ) of the response tokens tokens[:, P:] given everything before them: [N, G] (+ entropy)."""

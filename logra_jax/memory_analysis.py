@@ -1,0 +1,66 @@
+"""Per-device memory of one RL train step at real model sizes, compile-only (nothing is allocated).
+
+The model and optimizer state exist only as shapes (`jax.eval_shape`); the step — the same `make_train_step`
+the training loop runs, with the REINFORCE + TIS objective of `logra_jax.rl.objective` — is lowered from abstract
+sharded inputs and compiled for the mesh, and XLA's analysis gives per-device bytes
+  total = argument + output + temp − alias        (`logra_jax.sharding.step_memory`).
+Used by experiments/memory/run.py and colab/memory_analysis.ipynb.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from logra_jax import sharding as shd
+from logra_jax.models.config import ModelConfig, preset
+from logra_jax.models.decoder import init_model
+from logra_jax.optimizers import build_optimizer
+from logra_jax.rl.losses import LossConfig
+from logra_jax.rl.objective import make_policy_loss_fn, rl_batch_shapes
+from logra_jax.run_config import OptimizerSection
+from logra_jax.train_step import TrainState, make_train_step
+
+
+def paper_numerics(name: str, seq_len: int = 4096) -> ModelConfig:
+    """The preset at the paper's numerics: bf16 compute, fp32 weights, full remat per block, chunked attention."""
+    return preset(name, dtype="bfloat16", remat="full", attention_impl="chunked", attention_chunk=512,
+                  max_seq_len=max(seq_len, preset(name).max_seq_len))
+
+
+def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.sharding.Mesh, *,
+                   seq_len: int = 4096, prompt_len: int = 512, rows_per_device: int = 1, logprob_chunk: int = 512,
+                   compiler_options: Mapping[str, Any] | None = shd.FAST_CPU_COMPILE) -> dict[str, int]:
+    """Per-device bytes of one train step of `optimizer` on `config` over `mesh`.
+
+    Args:
+      config: the model (e.g. `paper_numerics("qwen2.5-7b")`).
+      optimizer: as in a run config (adamw, galore, adafactor, logra dense-gradient or sketch-native).
+      mesh: the device mesh (fake CPU devices are fine: only compilation happens).
+      seq_len, prompt_len: tokens per sequence, of which the prompt; the rest is the scored response.
+      rows_per_device: sequences per device in the (single-microbatch) step.
+      logprob_chunk: token rows per chunk of the log-probs (no [T, V] logits).
+      compiler_options: XLA options (default: cheap CPU code generation; buffer assignment is unaffected).
+
+    Returns:
+      {"argument", "output", "temp", "alias", "total"} in bytes per device.
+    """
+    built: dict[str, Any] = {}
+
+    def init() -> tuple[TrainState, nnx.State]:
+        model = init_model(config)
+        built["plan"] = plan = build_optimizer(optimizer, model)  # attaches sketch probes when LoGRA needs them
+        built["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
+        return TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32)), rest
+
+    jax.eval_shape(init)  # traced once: the plan and graph definition exist, no array is allocated
+    plan = built["plan"]
+    loss_fn = make_policy_loss_fn(LossConfig(policy="reinforce", tis_cap=2.0), prompt_len, chunk=logprob_chunk)
+    step = make_train_step(built["graphdef"], loss_fn, plan.tx, mode=plan.mode, trainable=plan.trainable,
+                           targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16)
+    batch = rl_batch_shapes(rows_per_device * mesh.size, prompt_len, seq_len - prompt_len)
+    return shd.step_memory(step, init, batch, mesh, compiler_options=compiler_options)
