@@ -239,7 +239,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     writer.write(steps_done, {"eval_accuracy": accuracy_after})
     writer.close()
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
-               "seconds": time.perf_counter() - wall_start}
+               "seconds": time.perf_counter() - wall_start, "prompt_length": prompt_len}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy"], workdir / "reward_curve.png",
                             title=f"RL with {run.optimizer.name}: held-out accuracy {accuracy_before:.2f} → "

@@ -1,0 +1,178 @@
+"""Run named variants of a config over seeds, side by side, and summarise them (shared by the RL experiments).
+
+Each run is `logra_jax.train.train_and_evaluate` in its own worker process (fresh JAX, one CPU device), `jobs` at a
+time, in its own workdir (resumed if it already finished: delete `runs/` to start over). For every variant the
+summary holds, per seed: held-out greedy accuracy before/after RL, the last rewards, median step time, the
+process's peak RSS and the train step's compile-only per-device bytes; and across seeds: mean ± std.
+Output: results.json, a markdown table (printed and returned) and curve plots (reward, held-out accuracy).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import runpy
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+Overrides = Mapping[str, Mapping[str, Any]]
+
+
+def load_config(path: str | Path, arg: str | None = None) -> dict[str, Any]:
+    """A configs/*.py file's config as a plain nested dict."""
+    get_config = runpy.run_path(str(path))["get_config"]
+    config = get_config() if arg is None else get_config(arg)
+    return config.to_dict()
+
+
+def merged(base: Mapping[str, Any], overrides: Overrides) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
+    for section, values in overrides.items():
+        out[section] = {**out.get(section, {}), **values}
+    return out
+
+
+def _run_one(config: dict[str, Any], workdir: str) -> dict[str, Any]:
+    """Worker process: one run, then its compile-only step memory; returns the run's summary."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from logra_jax.run_config import RunConfig
+    from logra_jax.train import train_and_evaluate
+
+    summary_path = Path(workdir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else train_and_evaluate(config,
+                                                                                                   workdir)
+    summary["step_bytes"] = _step_bytes(RunConfig.from_dict(config), workdir)
+    return summary
+
+
+def _step_bytes(run: Any, workdir: str) -> int:
+    """Per-device bytes (argument + output + temp − alias) of this run's train step, compile-only."""
+    import jax
+
+    from logra_jax import sharding as shd
+    from logra_jax.builders import build_model
+    from logra_jax.memory_analysis import rl_step_memory
+
+    model, _ = build_model(run.model)
+    prompt_len = json.loads((Path(workdir) / "summary.json").read_text()).get("prompt_length")
+    if prompt_len is None:
+        return -1
+    rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
+    mem = rl_step_memory(model.config, run.optimizer, mesh, seq_len=prompt_len + run.rollout.max_new_tokens,
+                         prompt_len=prompt_len, rows_per_device=rows, logprob_chunk=1024)
+    return int(mem["total"])
+
+
+def _metrics(workdir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds: Sequence[int], out_dir: Path, *,
+              jobs: int = 2, title: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every (variant, seed) and write out_dir/{results.json, curves.png}; returns the results."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells = [(name, seed) for name in variants for seed in seeds]
+    start = time.perf_counter()
+    summaries: dict[tuple[str, int], dict[str, Any]] = {}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = {}
+        for name, seed in cells:
+            config = merged(base, variants[name])
+            config["train"] = {**config["train"], "seed": seed}
+            workdir = out_dir / "runs" / f"{name}-seed{seed}"
+            futures[pool.submit(_run_one, config, str(workdir))] = (name, seed)
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            name, seed = futures[future]
+            summaries[(name, seed)] = future.result()
+            elapsed = time.perf_counter() - start
+            log(f"[{done}/{len(cells)}] {name} seed {seed}: held-out {summaries[(name, seed)]['accuracy_before']:.3f}"
+                f" → {summaries[(name, seed)]['accuracy_after']:.3f}  ({elapsed:.0f} s elapsed, ETA "
+                f"{elapsed / done * (len(cells) - done):.0f} s)")
+    results: dict[str, Any] = {"title": title, "seeds": list(seeds), "variants": {}}
+    for name, overrides in variants.items():
+        per_seed = []
+        for seed in seeds:
+            s = summaries[(name, seed)]
+            rows = _metrics(out_dir / "runs" / f"{name}-seed{seed}")
+            steps = [r for r in rows if "loss" in r]
+            tail = steps[-max(len(steps) // 5, 1):]
+            per_seed.append({
+                "seed": seed, "accuracy_before": s["accuracy_before"], "accuracy_after": s["accuracy_after"],
+                "gain": s["accuracy_after"] - s["accuracy_before"],
+                "final_reward": statistics.fmean(r["reward_mean"] for r in tail),
+                "step_time_median": statistics.median(r["step_time"] for r in steps),
+                "peak_rss_bytes": max(r.get("host_peak_rss_bytes", 0) for r in steps),
+                "step_bytes": s.get("step_bytes", -1), "seconds": s["seconds"],
+                "kl_realised_median": statistics.median(r["kl_realised"] for r in steps) if "kl_realised" in
+                steps[0] else None,
+            })
+        agg = {key: _mean_std([p[key] for p in per_seed]) for key in
+               ("accuracy_before", "accuracy_after", "gain", "final_reward", "step_time_median")}
+        results["variants"][name] = {"overrides": {k: dict(v) for k, v in overrides.items()}, "seeds": per_seed,
+                                     "mean_std": agg}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot_curves(out_dir, variants, seeds, title)
+    log(f"sweep done in {time.perf_counter() - start:.0f} s")
+    return results
+
+
+def table(results: Mapping[str, Any]) -> str:
+    """Markdown table: held-out accuracy before → after (mean ± std over seeds), gain, final reward, step time,
+    compile-only step bytes and peak RSS (medians over seeds)."""
+    lines = ["| variant | held-out before | held-out after | gain (points) | final reward | step time (s) | "
+             "step bytes (MiB) | peak RSS (MiB) |", "|---" * 8 + "|"]
+    for name, v in results["variants"].items():
+        ms, seeds = v["mean_std"], v["seeds"]
+        fmt = lambda key, scale=1.0, digits=3, ms=ms: (f"{ms[key][0] * scale:.{digits}f} ± "
+                                                       f"{ms[key][1] * scale:.{digits}f}")
+        step_mib = statistics.median(p["step_bytes"] for p in seeds) / 2**20
+        rss_mib = statistics.median(p["peak_rss_bytes"] for p in seeds) / 2**20
+        lines.append(f"| {name} | {fmt('accuracy_before')} | {fmt('accuracy_after')} | {fmt('gain', 100, 1)} | "
+                     f"{fmt('final_reward')} | {fmt('step_time_median', digits=2)} | {step_mib:.1f} | {rss_mib:.0f} |")
+    return "\n".join(lines)
+
+
+def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequence[int], title: str) -> None:
+    """Reward (running mean over 10 steps) and held-out accuracy vs step; one colour per variant, mean of seeds
+    as a thick line and each seed thin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, name in enumerate(variants):
+        color = f"C{i % 10}"
+        rewards, evals = [], []
+        for seed in seeds:
+            rows = _metrics(out_dir / "runs" / f"{name}-seed{seed}")
+            r = np.array([row["reward_mean"] for row in rows if "reward_mean" in row])
+            smooth = np.convolve(r, np.ones(10) / 10, mode="valid") if len(r) >= 10 else r
+            ax_r.plot(smooth, color=color, alpha=0.25, linewidth=0.8)
+            rewards.append(smooth)
+            evals.append([(row["step"], row["eval_accuracy"]) for row in rows if "eval_accuracy" in row])
+        n = min(len(x) for x in rewards)
+        ax_r.plot(np.mean([x[:n] for x in rewards], axis=0), color=color, linewidth=2, label=name)
+        steps = sorted({s for e in evals for s, _ in e})
+        mean_eval = [np.mean([dict(e).get(s, np.nan) for e in evals]) for s in steps]
+        ax_a.plot(steps, mean_eval, "o-", color=color, label=name)
+    ax_r.set(xlabel="RL step", ylabel="reward (running mean of 10)", title="training reward")
+    ax_a.set(xlabel="RL step", ylabel="held-out greedy accuracy", title="held-out accuracy")
+    for ax in (ax_r, ax_a):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title} ({len(seeds)} seeds)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "curves.png", dpi=110)
