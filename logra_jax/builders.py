@@ -57,7 +57,8 @@ def build_tasks(task: TaskSection, sft: SFTSection, data_dir: Path) -> Tasks:
         builder = JsonlTasks({"train": task.jsonl_train, "eval": task.jsonl_eval}, data_dir=data_dir)
     else:
         spec = TaskSpec(kind=task.kind, seed=task.seed, difficulty=task.difficulty, operations=task.operations,
-                        count=task.count, max_number=task.max_number, max_target=task.max_target)
+                        count=task.count, max_number=task.max_number, max_target=task.max_target,
+                        carries=task.carries)
         builder = GeneratedTasks(spec, {"train": task.train_size, "eval": task.eval_size}, data_dir=data_dir)
     train = data_source(builder, "train")
     eval_source = data_source(builder, "eval")

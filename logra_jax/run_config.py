@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from logra_jax.rl.advantages import ESTIMATORS
+from logra_jax.rl.tasks import CARRY_MODES
 
 
 def _fail(field: str, value: Any, why: str) -> None:
@@ -34,6 +35,16 @@ def _check_range(section: str, name: str, value: float, lo: float | None = None,
         _fail(f"{section}.{name}", value, f"must be {'>' if lo_open else '>='} {lo}")
     if hi is not None and value > hi:
         _fail(f"{section}.{name}", value, f"must be <= {hi}")
+
+
+def _check_carries(section: str, carries: str, kind: str, operations: str, difficulty: int) -> None:
+    _check_choice(section, "carries", carries, CARRY_MODES)
+    if carries != "any" and (kind != "arithmetic" or operations != "+"):
+        _fail(f"{section}.carries", carries, f"needs kind 'arithmetic' with operations '+', got {kind!r} with "
+                                             f"{operations!r}")
+    if carries == "some" and difficulty < 2:
+        _fail(f"{section}.carries", carries, f"needs difficulty >= 2 (one-digit operands never carry between "
+                                             f"columns), got {difficulty}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +74,9 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-    """The RL task: kind "arithmetic" | "countdown" | "jsonl" with the generator's settings, sizes of the
-    train and held-out splits, JSONL paths for kind "jsonl", and the prompt style ("plain", "chat", or
-    "compact": arithmetic as "12+7=" → "19")."""
+    """The RL task: kind "arithmetic" | "countdown" | "jsonl" with the generator's settings (for additions,
+    `carries`: "any" | "none" | "some", see rl.tasks.TaskSpec), sizes of the train and held-out splits, JSONL
+    paths for kind "jsonl", and the prompt style ("plain", "chat", or "compact": arithmetic as "12+7=" → "19")."""
 
     kind: str = "arithmetic"
     difficulty: int = 2
@@ -79,9 +90,11 @@ class TaskSection:
     jsonl_eval: str = ""
     seed: int = 0
     prompt_style: str = "plain"
+    carries: str = "any"
 
     def validate(self) -> None:
         _check_choice("task", "kind", self.kind, ("arithmetic", "countdown", "jsonl"))
+        _check_carries("task", self.carries, self.kind, self.operations, self.difficulty)
         _check_choice("task", "prompt_style", self.prompt_style, ("plain", "chat", "compact"))
         if self.prompt_style == "compact" and self.kind != "arithmetic":
             _fail("task.prompt_style", self.prompt_style, "'compact' prompts exist for kind='arithmetic' only")

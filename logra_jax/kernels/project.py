@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -58,8 +59,11 @@ def _sketched_linear_xla(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: j
     return _linear(x, kernel)
 
 
+SKETCH_PROJECTION = "sketch_projection"  # checkpoint name of P = X Aᵀ (remat policy "save_sketch" keeps it)
+
+
 def _xla_fwd(x, kernel, a, probe):
-    return _linear(x, kernel), (_project(x, a), kernel, a, probe)
+    return _linear(x, kernel), (checkpoint_name(_project(x, a), SKETCH_PROJECTION), kernel, a, probe)
 
 
 def _xla_bwd(res, h):

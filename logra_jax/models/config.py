@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Literal
 
 RopeScaling = Literal["linear", "llama3"]
-Remat = Literal["none", "full", "save_dots"]
+Remat = Literal["none", "full", "save_dots", "save_sketch"]
 AttentionImpl = Literal["dense", "chunked"]
 
 _DTYPES = ("float32", "bfloat16")
@@ -31,7 +31,8 @@ class ModelConfig:
       tie_embeddings: the output head reuses the input embedding.
       max_seq_len: longest sequence (prompt + generation) the model is used with.
       dtype: compute dtype ("float32" or "bfloat16"); parameters are always float32.
-      remat: activation checkpointing per block: "none", "full" or "save_dots".
+      remat: activation checkpointing per block: "none", "full", "save_dots" or "save_sketch" (keep only the
+        LoGRA projections X Aᵀ of sketch-native targets).
       attention_impl: "dense" materialises [T, T] scores; "chunked" runs an online softmax over key chunks.
       attention_chunk: key-chunk length of the chunked attention.
     """
@@ -91,8 +92,9 @@ class ModelConfig:
                 f"{self.rope_high_freq_factor!r} <= {self.rope_low_freq_factor!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.remat not in ("none", "full", "save_dots"):
-            raise ValueError(f"ModelConfig.remat must be 'none', 'full' or 'save_dots', got {self.remat!r}")
+        if self.remat not in ("none", "full", "save_dots", "save_sketch"):
+            raise ValueError(
+                f"ModelConfig.remat must be 'none', 'full', 'save_dots' or 'save_sketch', got {self.remat!r}")
         if self.attention_impl not in ("dense", "chunked"):
             raise ValueError(
                 f"ModelConfig.attention_impl must be 'dense' or 'chunked', got {self.attention_impl!r}")

@@ -52,6 +52,9 @@ class Block(nnx.Module):
 _REMAT_POLICIES = {
     "full": None,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # LoGRA sketch-native: keep each target's projected input X Aᵀ ([T, r], named by the sketched linear),
+    # recompute everything else: the backward pass then needs no second projection of X.
+    "save_sketch": jax.checkpoint_policies.save_only_these_names("sketch_projection"),
 }
 
 

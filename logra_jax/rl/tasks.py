@@ -4,7 +4,9 @@ A task yields `Problem`s: plain strings and integers, no tokens (tokenisation an
 tokenizer). Generation is a pure function of (seed, index), so any example can be regenerated on any host and
 a dataset's content does not depend on the order it was produced in.
 
-- arithmetic, difficulty d ≥ 1: `a op b` with op ∈ {+, -, *} and two d-digit operands (d = 1 allows 0).
+- arithmetic, difficulty d ≥ 1: `a op b` with op ∈ {+, -, *} and two d-digit operands (d = 1 allows 0);
+  additions can be restricted to those that carry between operand columns, or to those that never do
+  (`carries`; see `inner_carries`).
 - countdown: `count` numbers in [1, max_number] and a target reachable by combining every number exactly once
   with + - * / (exact intermediate integers only, so a solution without fractions always exists); the problem
   keeps one such solution.
@@ -24,6 +26,7 @@ from logra_jax.rl.answers import extract_answer
 
 TaskKind = Literal["arithmetic", "countdown", "math"]
 TASK_KINDS: tuple[str, ...] = ("arithmetic", "countdown", "math")
+CARRY_MODES: tuple[str, ...] = ("any", "none", "some")
 
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 
@@ -63,6 +66,8 @@ class TaskSpec:
       count: countdown numbers per problem (2-6).
       max_number: countdown numbers are drawn from [1, max_number].
       max_target: countdown targets lie in [1, max_target].
+      carries: additions only ("+"): "any" (no restriction), "none" (no carry between operand columns) or
+        "some" (at least one); operands are redrawn from the example's generator until the rule holds.
     """
 
     kind: str = "arithmetic"
@@ -72,6 +77,7 @@ class TaskSpec:
     count: int = 4
     max_number: int = 100
     max_target: int = 1000
+    carries: str = "any"
 
     def __post_init__(self) -> None:
         if self.kind not in ("arithmetic", "countdown"):
@@ -89,13 +95,23 @@ class TaskSpec:
             raise ValueError(f"TaskSpec.max_number must be in [2, 10000], got {self.max_number!r}")
         if self.max_target < 1:
             raise ValueError(f"TaskSpec.max_target must be >= 1, got {self.max_target!r}")
+        if self.carries not in CARRY_MODES:
+            raise ValueError(f"TaskSpec.carries must be one of {CARRY_MODES}, got {self.carries!r}")
+        if self.carries != "any":
+            if self.kind != "arithmetic" or self.operations != "+":
+                raise ValueError(f"TaskSpec.carries={self.carries!r} needs kind='arithmetic' and operations='+', "
+                                 f"got kind={self.kind!r}, operations={self.operations!r}")
+            if self.carries == "some" and self.difficulty < 2:
+                raise ValueError("TaskSpec.carries='some' needs difficulty >= 2: one-digit operands have a single "
+                                 "column, so nothing carries between operand columns")
 
     @property
     def name(self) -> str:
         """A short identifier of the spec (used for on-disk dataset configs)."""
         if self.kind == "arithmetic":
             ops = self.operations.replace("+", "add").replace("-", "sub").replace("*", "mul")
-            return f"arithmetic-d{self.difficulty}-{ops}-s{self.seed}"
+            carries = "" if self.carries == "any" else f"-carry_{self.carries}"
+            return f"arithmetic-d{self.difficulty}-{ops}{carries}-s{self.seed}"
         return f"countdown-c{self.count}-n{self.max_number}-t{self.max_target}-s{self.seed}"
 
 
@@ -104,8 +120,38 @@ def _operand(rng: np.random.Generator, digits: int) -> int:
     return int(rng.integers(low, 10**digits))
 
 
-def arithmetic_problem(spec: TaskSpec, index: int) -> Problem:
+def inner_carries(a: int, b: int, digits: int) -> int:
+    """How many of the `digits - 1` lower columns of the column addition a + b (a, b ≥ 0) carry into the next.
+
+    Column i (units: i = 0) carries when a_i + b_i + (carry into i) ≥ 10. A carry out of the top operand column
+    is not counted: it only prepends a 1 to the answer (12 + 91 = 103 has none, 15 + 17 = 32 has one).
+
+    Example:
+      >>> inner_carries(15, 17, 2), inner_carries(12, 91, 2), inner_carries(999, 1, 3)
+      (1, 0, 2)
+    """
+    if a < 0 or b < 0:
+        raise ValueError(f"inner_carries: operands must be >= 0, got {a} and {b}")
+    count, carry = 0, 0
+    for i in range(digits - 1):
+        carry = int((a // 10**i) % 10 + (b // 10**i) % 10 + carry >= 10)
+        count += carry
+    return count
+
+
+def _carries_ok(spec: TaskSpec, a: int, b: int) -> bool:
+    if spec.carries == "any":
+        return True
+    return (inner_carries(a, b, spec.difficulty) > 0) == (spec.carries == "some")
+
+
+def arithmetic_problem(spec: TaskSpec, index: int, *, max_tries: int = 10_000) -> Problem:
     """The `index`-th arithmetic problem of `spec`: `a op b` with `difficulty`-digit operands.
+
+    With spec.carries other than "any", operands are redrawn from the same generator until they satisfy it.
+
+    Raises:
+      ValueError: no operands satisfying spec.carries in `max_tries` draws.
 
     Example:
       >>> p = arithmetic_problem(TaskSpec(kind="arithmetic", difficulty=3), 0)
@@ -113,7 +159,13 @@ def arithmetic_problem(spec: TaskSpec, index: int) -> Problem:
       ('arithmetic', True)
     """
     rng = np.random.default_rng((spec.seed, index))
-    a, b = _operand(rng, spec.difficulty), _operand(rng, spec.difficulty)
+    for _ in range(max_tries):
+        a, b = _operand(rng, spec.difficulty), _operand(rng, spec.difficulty)
+        if _carries_ok(spec, a, b):
+            break
+    else:
+        raise ValueError(f"arithmetic_problem: no operands with carries={spec.carries!r} in {max_tries} draws "
+                         f"for {spec}")
     op = spec.operations[int(rng.integers(len(spec.operations)))]
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
     return Problem(task="arithmetic", question=f"What is {a} {op} {b}? {BOXED_INSTRUCTION}", answer=str(value),

@@ -128,3 +128,17 @@ def test_bad_config_is_a_clear_error(tmp_path, section, field, value, message):
 
 def test_defaults_validate():
     RunConfig.from_dict({})
+
+
+def test_separate_rollout_worker_reproduces_colocated_run(tmp_path):
+    """rollout.workers=1 (a worker process fed by low-rank payloads over loopback) gives the colocated run's
+    metrics for the same seed: same rollouts, rewards, losses and KL, with no resync."""
+    config = tiny_config(optimizer={"kl_control": True, "probe_responses": 2}, train={"steps": 3})
+    runs = {}
+    for workers in (0, 1):
+        config["rollout"] = {**config["rollout"], "workers": workers}
+        train_and_evaluate(config, tmp_path / f"workers{workers}")
+        runs[workers] = [{k: v for k, v in r.items() if k not in ("sync_bytes",)}
+                         for r in read_metrics(tmp_path / f"workers{workers}")]
+    assert runs[1] == runs[0]
+    assert all(r.get("sync_resyncs", 0) == 0 for r in runs[1])
