@@ -17,14 +17,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.model.update(preset="tiny", tokenizer="char", init_seed=0,
                    overrides=dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                                   num_kv_heads=2, head_dim=32, max_seq_len=64))
-    c.task.update(kind="arithmetic", difficulty=2, operations="+", train_size=4096, eval_size=256,
+    c.task.update(kind="arithmetic", difficulty=2, operations="+", carries="some", train_size=4096, eval_size=256,
                   prompt_style="compact", seed=0)
-    c.sft.update(steps=600, batch_size=64, learning_rate=3e-3, difficulty=2, operations="+", train_size=4096)
-    c.rollout.update(prompts_per_step=16, num_samples=8, max_new_tokens=5, temperature=1.0, workers=0)
+    c.sft.update(steps=1000, batch_size=64, learning_rate=3e-3, difficulty=2, operations="+", carries="none",
+                 train_size=4000, task_examples=100)
+    c.rollout.update(prompts_per_step=16, num_samples=16, max_new_tokens=5, temperature=1.0, workers=0)
     c.algorithm.update(estimator="grpo", policy="ppo", tis_cap=2.0, aggregation="token_mean")
-    c.optimizer.update(name="logra", rank=16, update_ratio=3e-3, sketch_native=True, kl_control=True,
-                       kl_budget=2e-2, kl_budget_final=5e-3, kl_schedule_steps=150, probe_responses=8)
-    c.train.update(steps=150, microbatches=2, seed=0, eval_every=50, checkpoint_every=50, keep_checkpoints=2)
+    c.optimizer.update(name="logra", rank=64, update_ratio=3e-3, sketch_native=True, kl_control=True,
+                       kl_budget=2e-2, kl_budget_final=5e-3, kl_schedule_steps=200, probe_responses=8)
+    c.train.update(steps=200, microbatches=2, seed=0, eval_every=50, checkpoint_every=50, keep_checkpoints=2)
     if arg == "runlocal":
         c.sft.steps = 20
         c.task.eval_size = 32

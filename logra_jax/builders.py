@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from pathlib import Path
 
 import grain
@@ -42,8 +42,9 @@ def build_model(cfg: ModelSection) -> tuple[Decoder, Tokenizer]:
 @dataclasses.dataclass(frozen=True)
 class Tasks:
     """train_batches(batch_size, seed): grain IterDataset of Problem lists (checkpointable iterator);
-    eval_problems: the held-out set; sft_problems: the easier warm-start set (empty without SFT);
-    train_problems: every training problem (fixes the prompt length)."""
+    eval_problems: the held-out set; sft_problems: the warm-start demonstrations (empty without SFT);
+    train_problems: every RL training problem (fixes the prompt length). No question of eval_problems occurs
+    in train_problems or sft_problems."""
 
     train_batches: Callable[..., grain.IterDataset]
     eval_problems: Sequence[Problem]
@@ -51,25 +52,61 @@ class Tasks:
     train_problems: Sequence[Problem]
 
 
+def _task_spec(task: TaskSection, seed: int) -> TaskSpec:
+    return TaskSpec(kind=task.kind, seed=seed, difficulty=task.difficulty, operations=task.operations,
+                    count=task.count, max_number=task.max_number, max_target=task.max_target, carries=task.carries)
+
+
+def sft_problems(task: TaskSection, sft: SFTSection, held_out: Set[str]) -> list[Problem]:
+    """The warm-start demonstrations: `sft.train_size` easier arithmetic problems (spec seed task.seed + 1) and
+    `sft.task_examples` problems of the RL task (seed task.seed + 2), minus any whose question is in `held_out`.
+
+    Raises:
+      ValueError: every demonstration is a held-out problem (names config.sft).
+    """
+    easy = TaskSpec(kind="arithmetic", seed=task.seed + 1, difficulty=sft.difficulty, operations=sft.operations,
+                    carries=sft.carries)
+    problems = [generate_problem(easy, i) for i in range(sft.train_size)]
+    if sft.task_examples:
+        hard = _task_spec(task, task.seed + 2)
+        problems += [generate_problem(hard, i) for i in range(sft.task_examples)]
+    kept = [p for p in problems if p.question not in held_out]
+    if not kept:
+        raise ValueError(f"config.sft: all {len(problems)} demonstrations are held-out problems; use a different "
+                         f"sft.difficulty/operations or more sft.train_size")
+    return kept
+
+
 def build_tasks(task: TaskSection, sft: SFTSection, data_dir: Path) -> Tasks:
-    """Prepare the task's tfds builder (array_record, once per data_dir) and read it through grain."""
+    """Prepare the task's tfds builder (array_record, once per data_dir) and read it through grain.
+
+    The held-out split stays as generated; training problems (RL and SFT) whose question equals a held-out
+    question are dropped, so "held-out" means never trained on (a generator drawing with replacement from a
+    small space, or a JSONL file with repeats, would otherwise leak evaluation problems into training).
+
+    Raises:
+      ValueError: every RL training problem is also a held-out problem (names config.task).
+    """
     if task.kind == "jsonl":
         builder = JsonlTasks({"train": task.jsonl_train, "eval": task.jsonl_eval}, data_dir=data_dir)
     else:
-        spec = TaskSpec(kind=task.kind, seed=task.seed, difficulty=task.difficulty, operations=task.operations,
-                        count=task.count, max_number=task.max_number, max_target=task.max_target,
-                        carries=task.carries)
-        builder = GeneratedTasks(spec, {"train": task.train_size, "eval": task.eval_size}, data_dir=data_dir)
+        builder = GeneratedTasks(_task_spec(task, task.seed), {"train": task.train_size, "eval": task.eval_size},
+                                 data_dir=data_dir)
     train = data_source(builder, "train")
     eval_source = data_source(builder, "eval")
     eval_problems = [record_to_problem(eval_source[i]) for i in range(min(task.eval_size, len(eval_source)))]
+    held_out = {p.question for p in eval_problems}
     every_train = [record_to_problem(train[i]) for i in range(len(train))]
-    sft_problems: list[Problem] = []
-    if sft.steps:
-        easy = TaskSpec(kind="arithmetic", seed=task.seed + 1, difficulty=sft.difficulty, operations=sft.operations)
-        sft_problems = [generate_problem(easy, i) for i in range(sft.train_size)]
+    keep = [i for i, p in enumerate(every_train) if p.question not in held_out]
+    if not keep:
+        raise ValueError(f"config.task: all {len(every_train)} training problems are also held-out problems; "
+                         f"increase task.train_size or reduce task.eval_size")
+    if len(keep) < len(every_train):
+        train = [train[i] for i in keep]
+        every_train = [every_train[i] for i in keep]
+    demos = sft_problems(task, sft, held_out) if sft.steps else []
 
     def train_batches(batch_size: int, *, seed: int) -> grain.IterDataset:
         return problem_batches(train, batch_size, seed=seed)
 
-    return Tasks(train_batches, eval_problems, sft_problems, every_train)
+    return Tasks(train_batches, eval_problems, demos, every_train)

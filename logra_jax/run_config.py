@@ -108,8 +108,10 @@ class TaskSection:
 
 @dataclasses.dataclass(frozen=True)
 class SFTSection:
-    """Optional supervised warm start on easier problems: steps (0 = off), batch size, AdamW learning rate,
-    and the easy task's difficulty and operations."""
+    """Optional supervised warm start: steps (0 = off), batch size and AdamW learning rate; the demonstrations
+    are `train_size` easier arithmetic problems (difficulty, operations, carries as in rl.tasks.TaskSpec) plus
+    `task_examples` problems of the RL task itself (generated tasks only). Held-out problems are never among
+    them (see builders.build_tasks)."""
 
     steps: int = 0
     batch_size: int = 32
@@ -117,13 +119,20 @@ class SFTSection:
     difficulty: int = 1
     operations: str = "+"
     train_size: int = 4096
+    carries: str = "any"
+    task_examples: int = 0
 
     def validate(self) -> None:
         _check_range("sft", "steps", self.steps, 0)
         _check_range("sft", "batch_size", self.batch_size, 1)
         _check_range("sft", "learning_rate", self.learning_rate, 0.0, lo_open=True)
         _check_range("sft", "difficulty", self.difficulty, 1, 9)
+        if not self.operations or set(self.operations) - set("+-*") or len(set(self.operations)) != len(
+                self.operations):
+            _fail("sft.operations", self.operations, "must be distinct characters of '+-*'")
+        _check_carries("sft", self.carries, "arithmetic", self.operations, self.difficulty)
         _check_range("sft", "train_size", self.train_size, 1)
+        _check_range("sft", "task_examples", self.task_examples, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +297,9 @@ class RunConfig:
         if self.algorithm.estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.num_samples < 2:
             _fail("rollout.num_samples", self.rollout.num_samples,
                   f"algorithm.estimator={self.algorithm.estimator!r} needs groups of at least 2 samples")
+        if self.sft.task_examples and self.task.kind == "jsonl":
+            _fail("sft.task_examples", self.sft.task_examples, "needs a generated task (task.kind 'arithmetic' or "
+                                                               "'countdown'), got task.kind='jsonl'")
         if self.optimizer.kl_control and self.optimizer.probe_responses > batch:
             _fail("optimizer.probe_responses", self.optimizer.probe_responses,
                   f"exceeds the {batch} responses of a step")

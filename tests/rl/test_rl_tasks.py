@@ -12,6 +12,7 @@ from logra_jax.rl.tasks import (
     arithmetic_problem,
     countdown_problem,
     generate_problem,
+    inner_carries,
     math_problem,
 )
 
@@ -103,6 +104,9 @@ def test_math_problem_rejects_incomplete_records(record, match):
     ({"count": 1}, "count"),
     ({"max_number": 1}, "max_number"),
     ({"seed": -1}, "seed"),
+    ({"carries": "few"}, "carries"),
+    ({"carries": "none", "operations": "+-"}, "carries"),
+    ({"carries": "some", "difficulty": 1, "operations": "+"}, "carries"),
 ])
 def test_task_spec_validation(kwargs, field):
     with pytest.raises(ValueError, match=rf"TaskSpec\.{field}"):
@@ -116,3 +120,39 @@ def test_problem_validation_and_spec_names():
     assert TaskSpec(kind="countdown").name.startswith("countdown-c4")
     with pytest.raises(ValueError, match="index"):
         generate_problem(TaskSpec(), -1)
+
+
+def _column_carries(a, b, digits):
+    """Independent reference: add the digit strings right to left as on paper, counting carries."""
+    xs, ys = str(a).zfill(digits)[::-1], str(b).zfill(digits)[::-1]
+    carries, carry = [], 0
+    for x, y in zip(xs, ys):
+        carry = (int(x) + int(y) + carry) // 10
+        carries.append(carry)
+    return sum(carries[:-1])
+
+
+def test_inner_carries_matches_column_addition():
+    for digits in (1, 2, 3):
+        for a in range(0, 10**digits, 7 if digits == 3 else 1):
+            for b in range(0, 10**digits, 13 if digits == 3 else 1):
+                assert inner_carries(a, b, digits) == _column_carries(a, b, digits), (a, b, digits)
+    with pytest.raises(ValueError, match="operands"):
+        inner_carries(-1, 2, 2)
+
+
+@pytest.mark.parametrize("carries", ["none", "some"])
+def test_carry_modes_hold_for_every_problem(carries):
+    spec = TaskSpec(kind="arithmetic", difficulty=2, operations="+", carries=carries, seed=1)
+    counts = []
+    for i in range(200):
+        a, op, b = _QUESTION.match(arithmetic_problem(spec, i).question).groups()
+        assert op == "+" and int(arithmetic_problem(spec, i).answer) == int(a) + int(b)
+        counts.append(_column_carries(int(a), int(b), 2))
+    assert all((c > 0) == (carries == "some") for c in counts)
+    assert spec.name == f"arithmetic-d2-add-carry_{carries}-s1"
+    # "any" keeps both kinds, in about the proportion of the uniform operand draw
+    anyspec = TaskSpec(kind="arithmetic", difficulty=2, operations="+", seed=1)
+    mixed = [_column_carries(*map(int, _QUESTION.match(arithmetic_problem(anyspec, i).question).group(1, 3)), 2)
+             for i in range(200)]
+    assert 0.3 < sum(c > 0 for c in mixed) / 200 < 0.7

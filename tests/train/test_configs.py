@@ -36,3 +36,51 @@ def test_paper_recipe_needs_a_checkpoint_and_data(arg):
     assert (run.algorithm.estimator, run.rollout.num_samples, run.algorithm.reward_incorrect) == ("reinforce", 1, -0.01)
     with pytest.raises(ValueError, match="size must be"):
         load("paper_qwen2.5_math.py", "3b")
+
+
+@pytest.mark.parametrize(("section", "field", "value", "match"), [
+    ("task", "carries", "few", r"config\.task\.carries = 'few'"),
+    ("task", "carries", "some", r"config\.task\.carries = 'some'.*operations"),  # with operations "+-"
+    ("sft", "carries", "some", r"config\.sft\.carries = 'some'.*difficulty"),  # with difficulty 1
+    ("sft", "task_examples", -1, r"config\.sft\.task_examples = -1"),
+])
+def test_carry_and_demonstration_fields_are_validated(section, field, value, match):
+    config = load("demo.py")
+    config.task.operations = "+-" if (section, value) == ("task", "some") else config.task.operations
+    config.sft.difficulty = 1 if section == "sft" and field == "carries" else config.sft.difficulty
+    config[section][field] = value
+    with pytest.raises(ValueError, match=match):
+        RunConfig.from_dict(config)
+
+
+def test_held_out_problems_are_never_trained_on(tmp_path):
+    from logra_jax.builders import build_tasks
+
+    # one-digit additions: 100 distinct questions, so draws with replacement collide with the held-out set
+    config = load("demo.py")
+    config.task.update(difficulty=1, carries="any", train_size=300, eval_size=40)
+    config.sft.update(steps=1, difficulty=1, carries="any", train_size=300, task_examples=50)
+    run = RunConfig.from_dict(config)
+    tasks = build_tasks(run.task, run.sft, tmp_path)
+    held_out = {p.question for p in tasks.eval_problems}
+    assert len(tasks.eval_problems) == 40 and len(held_out) > 30
+    assert not held_out & {p.question for p in tasks.train_problems}
+    assert not held_out & {p.question for p in tasks.sft_problems}
+    assert 100 < len(tasks.train_problems) < 300 and len(tasks.sft_problems) < 350
+    batch = next(iter(tasks.train_batches(16, seed=0)))
+    assert len(batch) == 16 and not held_out & {p.question for p in batch}
+    # the demo's split: SFT without carries (plus a few RL-task examples), RL and evaluation with carries
+    demo = RunConfig.from_dict(load("demo.py"))
+    demo_tasks = build_tasks(demo.task, demo.sft, tmp_path / "demo")
+    assert all("+" in p.question for p in demo_tasks.eval_problems)
+    import re
+
+    from logra_jax.rl.tasks import inner_carries
+
+    def carried(problem):
+        a, b = map(int, re.search(r"(\d+) \+ (\d+)", problem.question).groups())
+        return inner_carries(a, b, 2) > 0
+
+    assert all(carried(p) for p in demo_tasks.eval_problems + list(demo_tasks.train_problems))
+    easy, task_like = demo_tasks.sft_problems[:1000], demo_tasks.sft_problems[-10:]
+    assert not any(carried(p) for p in easy) and all(carried(p) for p in task_like)
