@@ -44,6 +44,8 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
       seq_len, prompt_len: tokens per sequence, of which the prompt; the rest is the scored response.
       rows_per_device: sequences per device in the (single-microbatch) step.
       logprob_chunk: token rows per chunk of the log-probs (no [T, V] logits).
+        With optimizer.kl_control the step also probes the predicted KL on `optimizer.probe_responses`
+        sequences (rounded up to a multiple of the mesh size).
       compiler_options: XLA options (default: cheap CPU code generation; buffer assignment is unaffected).
 
     Returns:
@@ -61,6 +63,14 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
     plan = built["plan"]
     loss_fn = make_policy_loss_fn(LossConfig(policy="reinforce", tis_cap=2.0), prompt_len, chunk=logprob_chunk)
     step = make_train_step(built["graphdef"], loss_fn, plan.tx, mode=plan.mode, trainable=plan.trainable,
-                           targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16)
+                           targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16,
+                           kl_probe=plan.kl_probe)
     batch = rl_batch_shapes(rows_per_device * mesh.size, prompt_len, seq_len - prompt_len)
-    return shd.step_memory(step, init, batch, mesh, compiler_options=compiler_options)
+    if plan.kl_probe is None:
+        return shd.step_memory(step, init, batch, mesh, compiler_options=compiler_options)
+    # predicted-KL control: the step also reads the probe responses (as the loop's `_probe_batch` builds them)
+    rows = -(-optimizer.probe_responses // mesh.size) * mesh.size
+    probe = {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"], "kl_mask": batch["attention_mask"]}
+    probe = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in probe.items()}
+    return shd.step_memory(lambda state, rest, b: step(state, rest, b["main"], probe=b["probe"]), init,
+                           {"main": batch, "probe": probe}, mesh, compiler_options=compiler_options)

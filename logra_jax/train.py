@@ -241,7 +241,8 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
                "seconds": time.perf_counter() - wall_start, "prompt_length": prompt_len}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy"], workdir / "reward_curve.png",
+    metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy", "eval_accuracy"],
+                            workdir / "reward_curve.png",
                             title=f"RL with {run.optimizer.name}: held-out accuracy {accuracy_before:.2f} → "
                                   f"{accuracy_after:.2f}")
     log(f"held-out accuracy after RL: {accuracy_after:.3f} (before: {accuracy_before:.3f}); "

@@ -88,3 +88,18 @@ def test_dense_gradient_sketch_temporaries_do_not_grow_with_layers():
     print(f"scale_by_sketch temporaries: {few / 2**20:.1f} MiB at 4 layers, {many / 2**20:.1f} MiB at 16 layers "
           f"(one layer's A: {r * k * 4 / 2**20:.1f} MiB)")
     assert many <= 1.25 * few
+
+
+def test_rl_step_memory_includes_the_kl_probe():
+    """The loop's own RL step, compile-only, with and without predicted-KL control: the controlled step reads the
+    probe responses too, so its argument bytes hold at least the probe's tokens and masks."""
+    from logra_jax.memory_analysis import rl_step_memory
+    from logra_jax.run_config import OptimizerSection
+
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
+    kw = dict(seq_len=32, prompt_len=8, rows_per_device=4)
+    plain = rl_step_memory(preset("tiny"), OptimizerSection(kl_control=False), mesh, **kw)
+    probed = rl_step_memory(preset("tiny"), OptimizerSection(kl_control=True, probe_responses=2), mesh, **kw)
+    for mem in (plain, probed):
+        assert mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"] > 0
+    assert probed["argument"] >= plain["argument"] + 2 * 32 * (4 + 1 + 1)
