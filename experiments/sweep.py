@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 Overrides = Mapping[str, Mapping[str, Any]]
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.py"
 
 
 def load_config(path: str | Path, arg: str | None = None) -> dict[str, Any]:
@@ -176,3 +177,25 @@ def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequenc
     fig.suptitle(f"{title} ({len(seeds)} seeds)")
     fig.tight_layout()
     fig.savefig(out_dir / "curves.png", dpi=110)
+
+
+def cli(description: str, variants: Mapping[str, Overrides], *, default_seeds: Sequence[int], out_dir: Path,
+        base_config: str | Path = DEMO_CONFIG,
+        base_arg: str | None = None, title: str = "") -> dict[str, Any]:
+    """The experiments' shared command line: --seeds, --jobs, --variants (a subset), --out-dir; runs the sweep,
+    prints the table and writes it to out_dir/results.md."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(default_seeds))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (worker processes)")
+    parser.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
+    parser.add_argument("--out-dir", type=Path, default=out_dir)
+    args = parser.parse_args()
+    chosen = {name: variants[name] for name in args.variants}
+    results = run_sweep(load_config(base_config, base_arg), chosen, args.seeds, args.out_dir, jobs=args.jobs,
+                        title=title)
+    text = table(results)
+    (args.out_dir / "results.md").write_text(text + "\n")
+    print(text)
+    return results
