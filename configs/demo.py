@@ -1,7 +1,10 @@
-r"""The CPU demo: a small character-level decoder learns arithmetic, then LoGRA RL improves it.
+r"""The CPU demo: a small character-level decoder learns two-digit addition, then LoGRA RL teaches it to carry.
 
-SFT warm start on easy additions, then RL with LoGRA (sketch-native, predicted-KL control) on harder held-out
-additions; prints held-out greedy accuracy before and after RL and writes runs/demo/reward_curve.png.
+SFT warm start on two-digit additions *without* carries (plus 100 examples of the RL task), then 200 steps of RL
+with LoGRA (sketch-native, rank 64, predicted-KL control) on two-digit additions *with* at least one carry; the
+held-out problems (also with carries) are never trained on. Prints held-out greedy accuracy before and after RL
+and writes runs/demo/reward_curve.png. Measured here: 2.7% → 40.6% held-out in 2 min 30 s (experiments/optimizers
+has three seeds beside AdamW and GaLore).
 
 Run:   python -m logra_jax.main --config=configs/demo.py --workdir=runs/demo     (what `make demo` does)
 Quick: python -m logra_jax.main --config=configs/demo.py:runlocal --workdir=/tmp/demo
