@@ -70,6 +70,11 @@ def _step_bytes(run: Any, workdir: str) -> int:
     return int(mem["total"])
 
 
+def run_metrics(out_dir: Path, name: str, seed: int) -> list[dict[str, Any]]:
+    """The metrics.jsonl records of one run of a sweep written to out_dir."""
+    return _metrics(out_dir / "runs" / f"{name}-seed{seed}")
+
+
 def _metrics(workdir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -181,9 +186,11 @@ def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequenc
 
 def cli(description: str, variants: Mapping[str, Overrides], *, default_seeds: Sequence[int], out_dir: Path,
         base_config: str | Path = DEMO_CONFIG,
-        base_arg: str | None = None, title: str = "") -> dict[str, Any]:
+        base_arg: str | None = None, title: str = "",
+        extra_table: Callable[[Mapping[str, Any], Path], str] | None = None) -> dict[str, Any]:
     """The experiments' shared command line: --seeds, --jobs, --variants (a subset), --out-dir; runs the sweep,
-    prints the table and writes it to out_dir/results.md."""
+    prints the table and writes it to out_dir/results.md (followed by `extra_table(results, out_dir)`, if given:
+    an experiment's own markdown from the runs' metrics)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -196,6 +203,8 @@ def cli(description: str, variants: Mapping[str, Overrides], *, default_seeds: S
     results = run_sweep(load_config(base_config, base_arg), chosen, args.seeds, args.out_dir, jobs=args.jobs,
                         title=title)
     text = table(results)
+    if extra_table is not None:
+        text += "\n\n" + extra_table(results, args.out_dir)
     (args.out_dir / "results.md").write_text(text + "\n")
     print(text)
     return results
