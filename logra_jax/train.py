@@ -70,6 +70,9 @@ def _abstract_probe(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
             "kl_mask": sds((rows, length), jnp.bool_)}
 
 
+EXAMPLES_SHOWN = 3  # held-out problems whose greedy responses the log shows before and after RL
+
+
 def _probe_batch(rollout, count: int) -> dict[str, jax.Array]:
     """The first `count` responses; kl_mask marks the positions whose logits generated a response token."""
     tokens = rollout.tokens[:count]
@@ -177,11 +180,17 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     engine = rollout_engine(run.rollout.workers, model.config, rollout_cfg)
     sync = PolicySync(engine.sync, state.params, version=int(state.step), trained=plan.dense_paths(state.params))
     greedy = Sampler(model, greedy_cfg)
-    evaluate = lambda: greedy_accuracy(
-        lambda p, m, k: greedy(p, m, k, state=nnx.merge_state(state.params, rest)), tasks.eval_problems,
-        tokenizer, fmt, prompt_len, run.rollout.prompts_per_step * run.rollout.num_samples)[0]
+    def evaluate(show: str = "") -> float:
+        """Held-out greedy accuracy; with `show`, log the first problems' greedy responses under that label."""
+        accuracy, responses = greedy_accuracy(
+            lambda p, m, k: greedy(p, m, k, state=nnx.merge_state(state.params, rest)), tasks.eval_problems,
+            tokenizer, fmt, prompt_len, run.rollout.prompts_per_step * run.rollout.num_samples)
+        for problem, response in list(zip(tasks.eval_problems, responses))[:EXAMPLES_SHOWN] if show else ():
+            log(f"  {show}: {problem.question!r} (answer {problem.answer}) → {response.strip()[:200]!r}")
+        return accuracy
+
     if resume_step is None:
-        accuracy_before = evaluate()
+        accuracy_before = evaluate(show="before RL")
         log(f"held-out accuracy before RL: {accuracy_before:.3f} ({len(tasks.eval_problems)} problems)")
         writer.write(0, {"eval_accuracy": accuracy_before})
 
@@ -230,7 +239,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
             # Called every step: the manager saves every `checkpoint_every` steps and on preemption.
             ckpt.save(step + 1, (state, est_state), data_state=data_iter.get_state(),
                       extra={"accuracy_before": accuracy_before})
-        accuracy_after = evaluate()
+        accuracy_after = evaluate(show="after RL")
     finally:
         progress.close()
         engine.close()
