@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
 from logra_jax.rl.advantages import ESTIMATORS
-from logra_jax.rl.tasks import CARRY_MODES
+from logra_jax.rl.tasks import TaskSpec
 
 
 def _fail(field: str, value: Any, why: str) -> None:
@@ -37,14 +38,14 @@ def _check_range(section: str, name: str, value: float, lo: float | None = None,
         _fail(f"{section}.{name}", value, f"must be <= {hi}")
 
 
-def _check_carries(section: str, carries: str, kind: str, operations: str, difficulty: int) -> None:
-    _check_choice(section, "carries", carries, CARRY_MODES)
-    if carries != "any" and (kind != "arithmetic" or operations != "+"):
-        _fail(f"{section}.carries", carries, f"needs kind 'arithmetic' with operations '+', got {kind!r} with "
-                                             f"{operations!r}")
-    if carries == "some" and difficulty < 2:
-        _fail(f"{section}.carries", carries, f"needs difficulty >= 2 (one-digit operands never carry between "
-                                             f"columns), got {difficulty}")
+def _check_task_spec(section: str, **fields: Any) -> None:
+    """Validate generated-task fields with rl.tasks.TaskSpec's own rules, reported as config.<section>.<field>."""
+    try:
+        TaskSpec(**fields)
+    except ValueError as e:
+        field = re.match(r"TaskSpec\.(\w+)", str(e))
+        name = field.group(1) if field else "kind"
+        _fail(f"{section}.{name}", fields.get(name), str(e))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +95,13 @@ class TaskSection:
 
     def validate(self) -> None:
         _check_choice("task", "kind", self.kind, ("arithmetic", "countdown", "jsonl"))
-        _check_carries("task", self.carries, self.kind, self.operations, self.difficulty)
+        if self.kind != "jsonl":
+            _check_task_spec("task", kind=self.kind, seed=self.seed, difficulty=self.difficulty,
+                             operations=self.operations, count=self.count, max_number=self.max_number,
+                             max_target=self.max_target, carries=self.carries)
         _check_choice("task", "prompt_style", self.prompt_style, ("plain", "chat", "compact"))
         if self.prompt_style == "compact" and self.kind != "arithmetic":
             _fail("task.prompt_style", self.prompt_style, "'compact' prompts exist for kind='arithmetic' only")
-        _check_range("task", "difficulty", self.difficulty, 1, 9)
         _check_range("task", "train_size", self.train_size, 1)
         _check_range("task", "eval_size", self.eval_size, 1)
         _check_range("task", "seed", self.seed, 0)
@@ -126,11 +129,8 @@ class SFTSection:
         _check_range("sft", "steps", self.steps, 0)
         _check_range("sft", "batch_size", self.batch_size, 1)
         _check_range("sft", "learning_rate", self.learning_rate, 0.0, lo_open=True)
-        _check_range("sft", "difficulty", self.difficulty, 1, 9)
-        if not self.operations or set(self.operations) - set("+-*") or len(set(self.operations)) != len(
-                self.operations):
-            _fail("sft.operations", self.operations, "must be distinct characters of '+-*'")
-        _check_carries("sft", self.carries, "arithmetic", self.operations, self.difficulty)
+        _check_task_spec("sft", kind="arithmetic", difficulty=self.difficulty, operations=self.operations,
+                         carries=self.carries)
         _check_range("sft", "train_size", self.train_size, 1)
         _check_range("sft", "task_examples", self.task_examples, 0)
 
