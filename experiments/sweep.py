@@ -70,9 +70,14 @@ def _step_bytes(run: Any, workdir: str) -> int:
     return int(mem["total"])
 
 
+def run_dir(out_dir: Path, name: str, seed: int) -> Path:
+    """The workdir of one (variant, seed) run of a sweep written to out_dir."""
+    return out_dir / "runs" / f"{name}-seed{seed}"
+
+
 def run_metrics(out_dir: Path, name: str, seed: int) -> list[dict[str, Any]]:
     """The metrics.jsonl records of one run of a sweep written to out_dir."""
-    return _metrics(out_dir / "runs" / f"{name}-seed{seed}")
+    return _metrics(run_dir(out_dir, name, seed))
 
 
 def _metrics(workdir: Path) -> list[dict[str, Any]]:
@@ -96,7 +101,7 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
         for name, seed in cells:
             config = merged(base, variants[name])
             config["train"] = {**config["train"], "seed": seed}
-            workdir = out_dir / "runs" / f"{name}-seed{seed}"
+            workdir = run_dir(out_dir, name, seed)
             futures[pool.submit(_run_one, config, str(workdir))] = (name, seed)
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             name, seed = futures[future]
@@ -110,7 +115,7 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
         per_seed = []
         for seed in seeds:
             s = summaries[(name, seed)]
-            rows = _metrics(out_dir / "runs" / f"{name}-seed{seed}")
+            rows = run_metrics(out_dir, name, seed)
             steps = [r for r in rows if "loss" in r]
             tail = steps[-max(len(steps) // 5, 1):]
             per_seed.append({
@@ -163,7 +168,7 @@ def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequenc
         color = f"C{i % 10}"
         rewards, evals = [], []
         for seed in seeds:
-            rows = _metrics(out_dir / "runs" / f"{name}-seed{seed}")
+            rows = run_metrics(out_dir, name, seed)
             r = np.array([row["reward_mean"] for row in rows if "reward_mean" in row])
             smooth = np.convolve(r, np.ones(10) / 10, mode="valid") if len(r) >= 10 else r
             ax_r.plot(smooth, color=color, alpha=0.25, linewidth=0.8)

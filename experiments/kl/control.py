@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from experiments.sweep import cli, run_metrics
+from experiments.sweep import cli, run_dir, run_metrics
 
 VARIANTS = {
     "kl off": {"optimizer": {"kl_control": False}},
@@ -43,7 +43,7 @@ def kl_table(results: Mapping[str, Any], out_dir: Path) -> str:
             kl = [r["kl_realised"] for r in steps]
             ratio = [r["kl_realised"] / r["kl_predicted"] for r in steps if r["kl_predicted"] > 0]
             deciles = statistics.quantiles(ratio, n=10)
-            config = json.loads((out_dir / "runs" / f"{name}-seed{seed}" / "config.json").read_text())
+            config = json.loads((run_dir(out_dir, name, seed) / "config.json").read_text())
             alpha_max = config["optimizer"]["alpha_max"]
             capped = sum(r["kl_alpha"] >= alpha_max * (1 - 1e-6) for r in steps) / len(steps)
             lines.append(f"| {name} | {seed} | {statistics.median(kl):.2e} | {max(kl):.2e} | "
