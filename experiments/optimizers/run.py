@@ -3,8 +3,8 @@
 Every variant starts from the same SFT warm start (configs/demo.py: additions without carries) and runs the same
 200 RL steps on additions with carries; only the optimizer differs. LoGRA is the demo's setting (sketch-native,
 rank 64, predicted-KL control). The baselines update the same weights' gradients densely (AdamW on every
-parameter) or through GaLore's rank-64 projected Adam on the same targets; their learning rates are the best of a
-short search (see README.md).
+parameter) or through GaLore's rank-64 projected Adam on the same targets. AdamW runs at two learning rates
+(1e-4, 3e-4), GaLore at 3e-4; none of the three optimizers was tuned further.
 
 Run: python -m experiments.optimizers.run           (writes results.json, results.md, curves.png here)
 """

@@ -1,8 +1,8 @@
 """(d) A short RL run of SmolLM2-135M-Instruct on CPU: LoGRA vs dense AdamW, reward, accuracy and memory.
 
 Base: configs/smollm2_arithmetic.py (chat prompts, one-digit additions, GRPO + PPO/TIS, 8 prompts × 4 samples,
-LoGRA sketch-native rank 64 with predicted-KL control). AdamW updates every parameter densely at lr 1e-6 (the
-usual RL post-training rate for a model of this size). 20 RL steps, one seed: this is a CPU smoke-scale run.
+LoGRA sketch-native rank 64 with predicted-KL control). AdamW updates every parameter densely at lr 1e-6 (not
+tuned). 20 RL steps, one seed: this is a CPU smoke-scale run.
 
 Run: python -m experiments.smollm2.run               (writes results.json, results.md, curves.png here)
 """
