@@ -21,7 +21,7 @@ from logra_jax.models.config import ModelConfig, preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optimizers import build_optimizer
 from logra_jax.rl.losses import LossConfig
-from logra_jax.rl.objective import make_policy_loss_fn, rl_batch_shapes
+from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, rl_batch_shapes
 from logra_jax.run_config import OptimizerSection
 from logra_jax.train_step import TrainState, make_train_step
 
@@ -69,8 +69,6 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
     if plan.kl_probe is None:
         return shd.step_memory(step, init, batch, mesh, compiler_options=compiler_options)
     # predicted-KL control: the step also reads the probe responses (as the loop's `_probe_batch` builds them)
-    rows = -(-optimizer.probe_responses // mesh.size) * mesh.size
-    probe = {"tokens": batch["tokens"], "attention_mask": batch["attention_mask"], "kl_mask": batch["attention_mask"]}
-    probe = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in probe.items()}
+    probe = probe_batch_shapes(-(-optimizer.probe_responses // mesh.size) * mesh.size, seq_len)
     return shd.step_memory(lambda state, rest, b: step(state, rest, b["main"], probe=b["probe"]), init,
                            {"main": batch, "probe": probe}, mesh, compiler_options=compiler_options)

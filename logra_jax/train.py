@@ -34,7 +34,7 @@ from logra_jax.optimizers import build_optimizer
 from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
 from logra_jax.rl.evaluation import greedy_accuracy
 from logra_jax.rl.losses import LossConfig
-from logra_jax.rl.objective import make_policy_loss_fn, response_logprobs, rl_batch_shapes
+from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, response_logprobs, rl_batch_shapes
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
 from logra_jax.rl.rollout_worker import rollout_engine
@@ -62,12 +62,6 @@ def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
     return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
             "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
             "rollout_logprobs": rollout.logprobs, "finished": rollout.finished}
-
-
-def _abstract_probe(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
-    sds = jax.ShapeDtypeStruct
-    return {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
-            "kl_mask": sds((rows, length), jnp.bool_)}
 
 
 EXAMPLES_SHOWN = 3  # held-out problems whose greedy responses the log shows before and after RL
@@ -155,8 +149,8 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
     batch_sh = batch_shardings(rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens,
                                                  with_ref=run.algorithm.kl_beta > 0), mesh)
-    probe_sh = batch_shardings(_abstract_probe(run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens),
-                               mesh) if plan.kl_probe is not None else None
+    probe_shapes = probe_batch_shapes(run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens)
+    probe_sh = batch_shardings(probe_shapes, mesh) if plan.kl_probe is not None else None
     step_fn = jit_train_step(lambda st, rs, b, pr: train_step(st, rs, b, **({} if pr is None else {"probe": pr})),
                              mesh, in_shardings=(state_sh, rest_sh, batch_sh, probe_sh),
                              out_shardings=(state_sh, replicated(mesh), None))

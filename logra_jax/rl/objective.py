@@ -33,6 +33,14 @@ def rl_batch_shapes(rows: int, prompt_length: int, new_tokens: int, *, with_ref:
     return batch
 
 
+def probe_batch_shapes(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The predicted-KL probe batch a KL-controlled step reads (`probe=`), as ShapeDtypeStructs: `rows` whole
+    sequences of `length` tokens with their attention mask and the mask of the positions whose logits are probed."""
+    sds = jax.ShapeDtypeStruct
+    return {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
+            "kl_mask": sds((rows, length), jnp.bool_)}
+
+
 def response_logprobs(model: nnx.Module, tokens: jax.Array, attention_mask: jax.Array, prompt_length: int, *,
                       temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False):
     """log softmax(z/τ) of the response tokens tokens[:, P:] given everything before them: [N, G] (+ entropy)."""
