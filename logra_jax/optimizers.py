@@ -17,10 +17,11 @@ import optax
 from flax import nnx
 
 from logra_jax.optim import logra
+from logra_jax.optim.alias import TARGET_LABEL, target_labels
 from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, find_targets, path_str
 from logra_jax.run_config import OptimizerSection
-from logra_jax.train_step import KLProbeConfig, Trainable
+from logra_jax.train_step import KLProbeConfig, Trainable, densely_trained
 
 GALORE_UPDATE_GAP = 200
 
@@ -42,11 +43,6 @@ def _adamw(cfg: OptimizerSection) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
 
 
-def _target_labels(params: Any, yes: str, no: str) -> Any:
-    targets = find_targets(params, DEFAULT_TARGET_RULES)
-    return jax.tree_util.tree_map_with_path(lambda k, _: yes if path_str(k) in targets else no, params)
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerPlan:
     """tx plus how the train step must run it (see logra_jax.train_step.make_train_step)."""
@@ -62,12 +58,8 @@ class OptimizerPlan:
     def dense_paths(self, params: Any) -> list[str]:
         """Paths of the parameters updated densely (what policy sync ships besides low-rank factors)."""
         paths = [path_str(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
-        low_rank = set(self.targets or ())
-        if self.mode == "dense":
-            chosen = paths if self.trainable is None else [p for p in paths if self.trainable(p.split("."), None)]
-        else:
-            chosen = [] if self.trainable is None else [p for p in paths if self.trainable(p.split("."), None)]
-        return [p for p in chosen if p not in low_rank]
+        low_rank, trained = set(self.targets or ()), densely_trained(self.mode, self.trainable)
+        return [p for p in paths if p not in low_rank and trained(tuple(p.split(".")))]
 
 
 def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: float = 1.0) -> OptimizerPlan:
@@ -82,9 +74,12 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
         galore = per_layer(optax.contrib.scale_by_galore(rank=cfg.rank, update_proj_gap=GALORE_UPDATE_GAP,
                                                          base_optimizer=optax.scale_by_adam()))
         galore = optax.chain(galore, optax.add_decayed_weights(cfg.weight_decay), optax.scale(-cfg.learning_rate))
+        find_targets(params, DEFAULT_TARGET_RULES)  # no target is an error naming the rules
+        galore_labels = lambda p: jax.tree.map(lambda label: "galore" if label == TARGET_LABEL else "other",
+                                               target_labels(p, DEFAULT_TARGET_RULES))
         tx = optax.partition({"galore": galore, "other": optax.adamw(cfg.learning_rate,
                                                                       weight_decay=cfg.weight_decay)},
-                             lambda p: _target_labels(p, "galore", "other"))
+                             galore_labels)
         return OptimizerPlan(tx)
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
     kl = None

@@ -51,6 +51,15 @@ class KLProbeConfig:
     chunk: int = 256
 
 
+def densely_trained(mode: str, trainable: Trainable | None) -> Callable[[tuple[str, ...]], bool]:
+    """Whether the parameter at a path gets a dense update in a step of `mode` with `trainable` (as
+    `make_train_step` takes them): `trainable(path, None)`, or, without it, every parameter in "dense" mode and
+    none in "sketch_native" mode (whose targets get LowRankUpdates instead)."""
+    if trainable is None:
+        return lambda path: mode == "dense"
+    return lambda path: bool(trainable(path, None))
+
+
 def split_microbatches(batch: Mapping[str, jax.Array], microbatches: int) -> dict[str, jax.Array]:
     """[B, ...] leaves → [M, B/M, ...] with rows interleaved (microbatch m holds rows m, m + M, ...), so each
     microbatch spreads evenly over the data-parallel shards of a batch sharded on its rows; B % M == 0."""
@@ -175,14 +184,11 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
         return loss, jax.tree_util.tree_map_with_path(update_leaf, params), {**aux, **metrics}
 
     gradients = sketch_grads if mode == "sketch_native" else dense_grads
-    if mode == "dense":
-        densely_trained = (lambda path: True) if trainable is None else (lambda path: trainable(path, None))
-    else:
-        densely_trained = (lambda path: False) if trainable is None else (lambda path: trainable(path, None))
+    trained = densely_trained(mode, trainable)
 
     def sync_view(updates: Any) -> Any:
         def keep(keypath, u):
-            if isinstance(u, LowRankUpdate) or densely_trained(tuple(path_str(keypath).split("."))):
+            if isinstance(u, LowRankUpdate) or trained(tuple(path_str(keypath).split("."))):
                 return u
             return None
         return jax.tree_util.tree_map_with_path(keep, updates, is_leaf=lambda x: isinstance(x, LowRankUpdate))
