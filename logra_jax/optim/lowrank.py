@@ -209,7 +209,8 @@ def _merge_settings(implementation: str, interpret: bool, where: str) -> dict[st
 _Draw = tuple[Target, int, int, str]
 
 
-def _slice_projection(draw: _Draw, step: jax.Array, digest: jax.Array) -> jax.Array:
+def slice_projection(draw: _Draw, step: jax.Array, digest: jax.Array) -> jax.Array:
+    """A [r, k] of one slice: draw = (target geometry, base seed, rank, distribution), its digest, the step."""
     geometry, base_seed, rank, distribution = draw
     return projection(key_from_digest(base_seed, step, digest), rank, geometry.k, distribution)
 
@@ -219,14 +220,14 @@ def _slice_delta(draw: _Draw, step: jax.Array, u_i: jax.Array, digest_i: jax.Arr
     t, rank = draw[0], draw[2]
     weight, batch, rows, width = t.subscripts
     out = "".join(c for c in weight if c not in batch)
-    a = _slice_projection(draw, step, digest_i).reshape(rank, *t.width_shape)
+    a = slice_projection(draw, step, digest_i).reshape(rank, *t.width_shape)
     return jnp.einsum(f"{rows}z,z{width}->{out}", u_i, a, precision=_HIGHEST)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _gram(draw: _Draw, step: jax.Array, digests: jax.Array) -> jax.Array:
     def gram(digest: jax.Array) -> jax.Array:
-        a = _slice_projection(draw, step, digest)
+        a = slice_projection(draw, step, digest)
         return jnp.einsum("zk,yk->zy", a, a, precision=_HIGHEST)
 
     return jax.lax.map(gram, digests)
@@ -248,7 +249,7 @@ def _slice_merge_kernel(draw: _Draw, step: jax.Array, u_i: jax.Array, digest_i: 
     non_batch = [a for a in range(len(t.shape)) if a not in t.batch_axes]
     perm = [non_batch.index(a) for a in t.dims.width + t.dims.rows]
     kernel = jnp.transpose(w_i, perm).reshape(t.k, t.d)
-    a = _slice_projection(draw, step, digest_i)
+    a = slice_projection(draw, step, digest_i)
     out = merge_kernel(kernel, u_i.reshape(t.d, rank), a, implementation="pallas", interpret=interpret)
     return jnp.transpose(out.reshape(*t.width_shape, *t.rows_shape), np.argsort(perm))
 
@@ -259,7 +260,7 @@ def _merge(draw: _Draw, how: tuple[str, bool], u: jax.Array, step: jax.Array, di
     t = draw[0]
     implementation, interpret = how
     u = u.reshape(t.num_slices, *t.rows_shape, draw[2])
-    w = _to_slices(weight, t)
+    w = to_slices(weight, t)
 
     def body(i: jax.Array, w: jax.Array) -> jax.Array:
         w_i = w[i]
@@ -274,14 +275,14 @@ def _merge(draw: _Draw, how: tuple[str, bool], u: jax.Array, step: jax.Array, di
     return _from_slices(jax.lax.fori_loop(0, t.num_slices, body, w), t)
 
 
-def _to_slices(w: jax.Array, t: Target) -> jax.Array:
+def to_slices(w: jax.Array, t: Target) -> jax.Array:
     """Kernel → (num_slices, *non-batch axes in weight order); a no-op view when batch axes lead."""
     w = jnp.moveaxis(w, t.batch_axes, tuple(range(len(t.batch_axes))))
     return w.reshape(t.num_slices, *w.shape[len(t.batch_axes):])
 
 
 def _from_slices(x: jax.Array, t: Target) -> jax.Array:
-    """Inverse of `_to_slices`."""
+    """Inverse of `to_slices`."""
     x = x.reshape(*t.batch_shape, *x.shape[1:])
     return jnp.moveaxis(x, tuple(range(len(t.batch_axes))), t.batch_axes)
 

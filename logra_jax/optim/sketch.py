@@ -15,14 +15,12 @@ import jax.numpy as jnp
 import optax
 
 from logra_jax.kernels.backend import Implementation, check_implementation
-from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank, slice_projection, to_slices
 from logra_jax.optim.projection import (
     Distribution,
     check_nonneg_int,
     check_projection_args,
     digest_words,
-    key_from_digest,
-    projection,
 )
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
@@ -53,13 +51,11 @@ def _sketch(geometry: Target, base_seed: int, rank: int, distribution: Distribut
     """
     w, batch, rows, width = geometry.subscripts
     slice_w = "".join(c for c in w if c not in batch)
-    # Batch axes to the front, flattened: slice l of the loop is batch slice l (row-major, as in slice_paths).
-    g = jnp.moveaxis(g, geometry.batch_axes, tuple(range(len(batch))))
-    g = g.reshape(geometry.num_slices, *g.shape[len(batch):])
+    g = to_slices(g, geometry)  # slice l of the loop is batch slice l (row-major, as in slice_paths)
 
     def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
         g_l, digest = xs
-        a = projection(key_from_digest(base_seed, step, digest), rank, geometry.k, distribution)
+        a = slice_projection((geometry, base_seed, rank, distribution), step, digest)
         a = a.reshape(rank, *geometry.width_shape).astype(g_l.dtype)
         return jnp.einsum(f"{slice_w},z{width}->{rows}z", g_l, a, preferred_element_type=jnp.float32)
 
