@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 Implementation = Literal["xla", "pallas"]
@@ -38,6 +39,18 @@ def check_implementation(implementation: str, where: str) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{where}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     return implementation
+
+
+def check_interpret(interpret: Any, where: str) -> bool:
+    """`interpret` as a bool if it is a Python or numpy bool; raises TypeError naming `where` otherwise."""
+    if not isinstance(interpret, (bool, np.bool_)):
+        raise TypeError(f"{where}: interpret must be a bool, got {interpret!r}")
+    return bool(interpret)
+
+
+def check_kernel_settings(implementation: str, interpret: Any, where: str) -> tuple[str, bool]:
+    """(implementation, interpret) after `check_implementation` and `check_interpret`, both naming `where`."""
+    return check_implementation(implementation, where), check_interpret(interpret, where)
 
 
 # Platforms where the Pallas kernels have been compiled and checked against their references on the chip. Add one

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from logra_jax.kernels.backend import Implementation, check_implementation
+from logra_jax.kernels.backend import Implementation, check_kernel_settings
 from logra_jax.kernels.merge import merge as merge_kernel
 from logra_jax.optim.projection import (
     Distribution,
@@ -198,10 +198,8 @@ class LowRankUpdate:
 
 
 def _merge_settings(implementation: str, interpret: bool, where: str) -> dict[str, Any]:
-    check_implementation(implementation, where)
-    if not isinstance(interpret, (bool, np.bool_)):
-        raise TypeError(f"{where}: interpret must be a bool, got {interpret!r}")
-    return {"implementation": implementation, "interpret": bool(interpret)}
+    implementation, interpret = check_kernel_settings(implementation, interpret, where)
+    return {"implementation": implementation, "interpret": interpret}
 
 
 # (target geometry, base_seed, rank, distribution): everything static that selects the projections; the slices'

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from logra_jax.kernels.backend import Implementation, check_implementation
+from logra_jax.kernels.backend import Implementation, check_kernel_settings
 from logra_jax.kernels.row_moment import row_moment
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
 from logra_jax.optim.targets import (
@@ -168,9 +168,7 @@ def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float =
     if isinstance(eps, (int, float)) and not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     rules = check_rules(rules)
-    check_implementation(implementation, "scale_by_row_adam")
-    if not isinstance(interpret, bool):
-        raise TypeError(f"scale_by_row_adam: interpret must be a bool, got {interpret!r}")
+    implementation, interpret = check_kernel_settings(implementation, interpret, "scale_by_row_adam")
 
     def init_fn(params: Any) -> RowAdamState:
         targets = find_targets(params, rules)

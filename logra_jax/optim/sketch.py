@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.kernels.backend import Implementation, check_implementation
+from logra_jax.kernels.backend import Implementation, check_kernel_settings
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank, slice_projection, to_slices
 from logra_jax.optim.projection import (
     Distribution,
@@ -110,10 +110,8 @@ def scale_by_sketch(rank: int, base_seed: int = 42, distribution: Distribution =
     refresh, round_bf16 = bool(refresh), bool(round_bf16)
     settings = dict(base_seed=base_seed, rank=rank, distribution=distribution, refresh=refresh,
                     round_bf16=round_bf16)
+    implementation, interpret = check_kernel_settings(implementation, interpret, "scale_by_sketch")
     merge_settings = dict(implementation=implementation, interpret=interpret)
-    if not isinstance(interpret, bool):
-        raise TypeError(f"scale_by_sketch: interpret must be a bool, got {interpret!r}")
-    check_implementation(implementation, "scale_by_sketch")
 
     def init_fn(params: Any) -> SketchState:
         find_targets(params, rules)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from logra_jax.kernels.backend import Implementation, check_implementation
+from logra_jax.kernels.backend import Implementation, check_implementation, check_interpret
 from logra_jax.kernels.project import sketched_linear
 from logra_jax.models.layers import Linear
 from logra_jax.optim.projection import digest_words, key_from_digest, projection
@@ -66,8 +66,7 @@ class SketchSpec:
         if self.distribution not in ("rademacher", "gaussian"):
             raise ValueError(f"SketchSpec.distribution must be 'rademacher' or 'gaussian', got {self.distribution!r}")
         check_implementation(self.implementation, "SketchSpec.implementation")
-        if not isinstance(self.interpret, bool):
-            raise TypeError(f"SketchSpec.interpret must be a bool, got {self.interpret!r}")
+        check_interpret(self.interpret, "SketchSpec")
 
 
 class _Mode(NamedTuple):
