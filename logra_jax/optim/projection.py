@@ -1,7 +1,8 @@
 """Projections A [r, k]: regenerated from (base seed, step, layer path), never stored (LOGRA.md §2).
 
   seed = (base · 1_000_003 + step · 7_919 + digest(path)) mod 2^62
-  digest(path) = first 8 bytes, little endian, of BLAKE2b (64-byte digest) of the UTF-8 canonical path
+  digest(path) = BLAKE2b with digest_size=8 of the UTF-8 canonical path, read little endian (the authors' formula;
+                 not the first 8 bytes of the default 64-byte digest, a different number)
   key = threefry2x32 key data [seed >> 32, seed & 0xffffffff]   (= jax.random.key(seed) with 64-bit ints)
   Rademacher: A_ij = ±1/√r;  Gaussian: A_ij ~ N(0, 1/r);  so E[AᵀA] = I and E[S A] = E[G AᵀA] = G.
 
@@ -35,7 +36,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def path_digest(path: str) -> int:
-    """digest(path): the first 8 bytes (little endian) of the BLAKE2b digest of the UTF-8 path.
+    """digest(path): `hashlib.blake2b(path.encode("utf-8"), digest_size=8)` read little endian (LOGRA.md §2).
 
     Example:
       >>> path_digest("blocks.attn.q_proj.kernel.0") < 2**64
@@ -43,7 +44,7 @@ def path_digest(path: str) -> int:
     """
     if not isinstance(path, str):
         raise TypeError(f"path must be a str, got {path!r}")
-    return int.from_bytes(hashlib.blake2b(path.encode("utf-8")).digest()[:8], "little")
+    return int.from_bytes(hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def check_nonneg_int(name: str, value: int) -> int:

@@ -1,6 +1,7 @@
 """Projections: seeds against hashlib, traced keys against host seeds, distributions, unbiasedness of S·A."""
 
 import hashlib
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ STEPS = [0, 1, 299, 65535, 65536, 123_456_789, 2**31 - 1]
 
 
 def hashlib_seed(base, step, path):
-    digest = int.from_bytes(hashlib.blake2b(path.encode("utf-8")).digest()[:8], "little")
+    """The authors' formula: an 8-byte BLAKE2b digest of the name, unpacked as a little-endian uint64."""
+    (digest,) = struct.unpack("<Q", hashlib.blake2b(path.encode(), digest_size=8).digest())
     return (base * 1_000_003 + step * 7_919 + digest) % 2**62
 
 
@@ -32,7 +34,10 @@ def test_layer_seed_matches_hashlib_formula():
         for step in STEPS:
             for path in PATHS:
                 assert layer_seed(base, step, path) == hashlib_seed(base, step, path)
-    assert path_digest("w") == int.from_bytes(hashlib.blake2b(b"w").digest()[:8], "little")
+    (expected,) = struct.unpack("<Q", hashlib.blake2b(b"w", digest_size=8).digest())
+    assert path_digest("w") == expected
+    # BLAKE2b mixes the output length into its state: truncating the 64-byte digest is a different number.
+    assert path_digest("w") != int.from_bytes(hashlib.blake2b(b"w").digest()[:8], "little")
     with pytest.raises(ValueError, match="step"):
         layer_seed(42, -1, "w")
     with pytest.raises(TypeError, match="base_seed"):
