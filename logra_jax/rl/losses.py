@@ -2,7 +2,7 @@
 
 Notation per response token t: log π_θ (trainer, differentiated), log π_old (trainer at rollout parameters),
 log μ (the rollout engine's log-prob of the sampled token), log π_ref (reference policy), advantage A, mask m.
-  ratio            r = exp(log π_θ − log π_old)
+  ratio            r = exp(clip(log π_θ − log π_old, ±20))       (every log-ratio is clamped before exp, as in verl)
   PPO-clip         ℓ = max(−A r, −A clip(r, 1 − ε_low, 1 + ε_high))                (ε_high > ε_low: clip-higher)
   dual clip (c>1)  ℓ ← min(ℓ, −c A)  where A < 0
   REINFORCE        ℓ = −A log π_θ
@@ -38,11 +38,24 @@ def _per_token(advantages: jax.Array, like: jax.Array) -> jax.Array:
     return jnp.broadcast_to(advantages, like.shape)
 
 
+# Bound on every log-ratio before exp (verl's ±20): exp(20) ≈ 4.9e8 is finite in float32, so one garbage or −inf
+# log-prob cannot overflow a ratio into inf, whose 0·∞ = NaN gradient would poison the whole step even on
+# clipped tokens. Ratios that far from 1 are clipped or capped anyway.
+LOG_RATIO_CLAMP = 20.0
+
+
+def _log_ratio(numerator: jax.Array, denominator: jax.Array, mask: jax.Array) -> jax.Array:
+    """clip(log numerator − log denominator, ±LOG_RATIO_CLAMP) [B, T] float32 at mask, 0 elsewhere."""
+    diff = jnp.where(mask, numerator.astype(jnp.float32) - denominator.astype(jnp.float32), 0.0)
+    return jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *,
                   eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> jax.Array:
     """Per-token PPO-clip loss ℓ [B, T] with asymmetric clipping and optional dual clip (0 where mask is 0).
 
-      r = exp(log π_θ − log π_old);  ℓ = max(−A r, −A clip(r, 1 − ε_low, 1 + ε_high));  A < 0: ℓ ← min(ℓ, −c A)
+      r = exp(clip(log π_θ − log π_old, ±20));  ℓ = max(−A r, −A clip(r, 1 − ε_low, 1 + ε_high));
+      A < 0: ℓ ← min(ℓ, −c A)
 
     Example:
       >>> lp = jnp.log(jnp.array([[1.5]]))
@@ -55,8 +68,7 @@ def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, m
         raise ValueError(f"ppo_clip_loss: dual_clip must be > 1 (or None), got {dual_clip!r}")
     mask = mask.astype(bool)
     adv = _per_token(advantages, logp)
-    log_ratio = jnp.where(mask, logp.astype(jnp.float32) - old_logp.astype(jnp.float32), 0.0)
-    ratio = jnp.exp(log_ratio)
+    ratio = jnp.exp(_log_ratio(logp, old_logp, mask))
     loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
     if dual_clip is not None:
         loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip * adv), loss)
@@ -77,8 +89,8 @@ def reinforce_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array) -> j
 
 def truncated_is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *,
                          cap: float = 2.0) -> jax.Array:
-    """Truncated importance weights w = sg(min(π_old / μ, C)) [B, T] correcting rollout/trainer mismatch
-    (0 where mask is 0; no gradient flows through them).
+    """Truncated importance weights w = sg(min(exp(clip(log π_old − log μ, ±20)), C)) [B, T] correcting
+    rollout/trainer mismatch (0 where mask is 0; no gradient flows through them).
 
     Example:
       >>> truncated_is_weights(jnp.log(jnp.array([[0.5, 0.9]])), jnp.log(jnp.array([[0.4, 0.3]])), jnp.ones((1, 2)))
@@ -87,8 +99,7 @@ def truncated_is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax
     if not cap > 0:
         raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap!r}")
     mask = mask.astype(bool)
-    log_w = jnp.where(mask, old_logp.astype(jnp.float32) - rollout_logp.astype(jnp.float32), 0.0)
-    w = jnp.minimum(jnp.exp(jnp.minimum(log_w, jnp.log(cap))), cap)
+    w = jnp.minimum(jnp.exp(_log_ratio(old_logp, rollout_logp, mask)), cap)
     return jax.lax.stop_gradient(jnp.where(mask, w, 0.0))
 
 
@@ -96,7 +107,9 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, *, estimat
                clamp: float | None = 10.0) -> jax.Array:
     """Per-token estimate of KL(π_θ ‖ π_ref) from sampled tokens [B, T], clamped to [−clamp, clamp].
 
-    With δ = log π_θ − log π_ref:  k1 = δ,  k2 = ½ δ²,  k3 = exp(−δ) + δ − 1  (unbiased, ≥ 0, low variance).
+    With δ = clip(log π_θ − log π_ref, ±20):  k1 = δ,  k2 = ½ δ²,  k3 = exp(−δ) + δ − 1  (unbiased, ≥ 0, low
+    variance). The log-ratio clamp keeps exp(−δ) finite and, with the value clamp, every gradient finite when a
+    log-prob is ±inf; it changes nothing for |δ| ≤ 20.
 
     Example:
       >>> kl_penalty(jnp.array([[0.0]]), jnp.array([[-1.0]]), jnp.ones((1, 1)), estimator="k2")
@@ -107,15 +120,13 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, *, estimat
     if clamp is not None and not clamp > 0:
         raise ValueError(f"kl_penalty: clamp must be > 0 or None, got {clamp!r}")
     mask = mask.astype(bool)
-    delta = jnp.where(mask, logp.astype(jnp.float32) - ref_logp.astype(jnp.float32), 0.0)
+    delta = _log_ratio(logp, ref_logp, mask)
     if estimator == "k1":
         kl = delta
     elif estimator == "k2":
         kl = 0.5 * delta**2
     else:
-        # exp(−δ) overflows for very negative δ long before the clamp applies; bound δ first (same result there).
-        bounded = delta if clamp is None else jnp.maximum(delta, -jnp.log1p(clamp) - 1.0)
-        kl = jnp.exp(-bounded) + bounded - 1.0
+        kl = jnp.exp(-delta) + delta - 1.0
     if clamp is not None:
         kl = jnp.clip(kl, -clamp, clamp)
     return jnp.where(mask, kl, 0.0)
@@ -209,8 +220,9 @@ def policy_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, conf
       ref_logp: log π_ref; required when config.kl_beta > 0.
 
     Returns:
-      (loss scalar, metrics): pg_loss, kl, clip_fraction (tokens whose ratio left the clip range), tis_weight
-      (mean weight) — all token means.
+      (loss scalar, metrics): pg_loss, kl, clip_fraction (tokens where the clip binds: A > 0 and r > 1 + ε_high,
+      or A < 0 and r < 1 − ε_low, as verl's and TRL's clipfrac), outside_clip_fraction (tokens whose ratio left
+      the clip range, whatever the advantage), tis_weight (mean weight) — all token means.
 
     Raises:
       ValueError: when an input the config needs is missing.
@@ -236,7 +248,10 @@ def policy_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, conf
         kl = kl_penalty(logp, ref_logp, mask, estimator=config.kl_estimator, clamp=config.kl_clamp)
         metrics["kl"] = aggregate(kl, mask)
         total = total + config.kl_beta * kl
-    ratio = jnp.exp(jnp.where(mask.astype(bool), logp - old, 0.0))
-    clipped = (ratio < 1.0 - config.eps_low) | (ratio > 1.0 + config.eps_high)
-    metrics["clip_fraction"] = aggregate(clipped.astype(jnp.float32), mask)
+    ratio = jnp.exp(_log_ratio(logp, old, mask.astype(bool)))
+    adv = _per_token(advantages, logp)
+    low, high = ratio < 1.0 - config.eps_low, ratio > 1.0 + config.eps_high
+    binds = ((adv > 0) & high) | ((adv < 0) & low)  # the clipped branch is the max: no gradient (verl, TRL)
+    metrics["clip_fraction"] = aggregate(binds.astype(jnp.float32), mask)
+    metrics["outside_clip_fraction"] = aggregate((low | high).astype(jnp.float32), mask)
     return aggregate(total, mask, config.aggregation, max_len=config.max_len), jax.lax.stop_gradient(metrics)

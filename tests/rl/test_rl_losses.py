@@ -128,9 +128,15 @@ def test_k3_gradient_and_extreme_ratio():
         jnp.asarray(logp))
     expected = _per_token_ref(lambda b, t: 1.0 - math.exp(-(float(logp[b, t]) - float(ref[b, t]))), mask=mask)
     np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-6)
-    # log π_θ − log π_ref = −200: exp(200) overflows float32, the clamp must still give exactly κ.
+    # log π_θ − log π_ref = −200: exp(200) overflows float32, the clamp must still give exactly κ, with a finite
+    # (zero) gradient; also with a −inf reference log-prob, for every estimator.
     one = jnp.ones((1, 1))
     assert float(kl_penalty(-200.0 * one, 0 * one, one, clamp=10.0)[0, 0]) == 10.0
+    for estimator in ("k1", "k2", "k3"):
+        for ref_logp in (-jnp.inf, jnp.inf):
+            value, grad = jax.value_and_grad(lambda lp, r=ref_logp, e=estimator: kl_penalty(
+                lp, r * one, one, estimator=e, clamp=10.0).sum())(-1.0 * one)
+            assert abs(float(value)) == 10.0 and float(grad[0, 0]) == 0.0, (estimator, ref_logp)
 
 
 def test_aggregation_modes_by_hand_with_empty_and_full_responses():
@@ -179,8 +185,66 @@ def test_policy_loss_composes_the_pieces(aggregation, policy):
     loss, metrics = policy_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), config=config,
                                 old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout), ref_logp=jnp.asarray(ref))
     assert float(loss) == pytest.approx(expected, rel=1e-5)
-    assert set(metrics) == {"pg_loss", "kl", "tis_weight", "clip_fraction"}
-    assert 0.0 <= float(metrics["clip_fraction"]) <= 1.0
+    assert set(metrics) == {"pg_loss", "kl", "tis_weight", "clip_fraction", "outside_clip_fraction"}
+    ratio = np.exp(logp.astype(np.float64) - old)
+    a = np.broadcast_to(adv[:, None], (B, T))
+    binds = ((a > 0) & (ratio > 1.28)) | ((a < 0) & (ratio < 0.8))
+    outside = (ratio > 1.28) | (ratio < 0.8)
+    assert float(metrics["clip_fraction"]) == pytest.approx(binds[mask].mean(), abs=1e-6)
+    assert float(metrics["outside_clip_fraction"]) == pytest.approx(outside[mask].mean(), abs=1e-6)
+    assert 0 < binds[mask].sum() < outside[mask].sum()  # the batch tells the two apart
+
+
+def test_clip_fraction_counts_tokens_where_the_clip_binds():
+    """By hand, ε_low = 0.2, ε_high = 0.28: the clip binds only where the advantage pushes the ratio out."""
+    ratios = [[1.5, 0.5, 1.0, 1.0],  # A > 0: binds (r > 1.28); outside but not binding; inside; padding
+              [0.5, 1.5, 1.1, 5.0],  # A < 0: binds (r < 0.8); outside but not binding; inside; masked (r = 5)
+              [2.0, 1.0, 1.0, 1.0]]  # A = 0: outside, never binds
+    mask = jnp.array([[1, 1, 1, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
+    logp = jnp.log(jnp.array(ratios))
+    _, metrics = policy_loss(logp, jnp.array([1.0, -1.0, 0.0]), mask, old_logp=jnp.zeros((3, 4)),
+                             config=LossConfig(eps_low=0.2, eps_high=0.28, tis_cap=None))
+    assert float(metrics["clip_fraction"]) == pytest.approx(2 / 7)
+    assert float(metrics["outside_clip_fraction"]) == pytest.approx(5 / 7)
+
+
+def test_extreme_log_ratios_give_finite_loss_and_gradient():
+    """log r = ±100 and −inf rollout / reference log-probs: without the ±20 log-ratio clamp exp overflows and
+    0·∞ = NaN reaches the gradient even on clipped tokens."""
+    one = jnp.ones((1, 1))
+    for a in (1.0, -1.0):
+        for log_r in (100.0, -100.0):
+            loss, grad = jax.value_and_grad(lambda lp, a=a: ppo_clip_loss(lp, 0 * one, jnp.array([a]), one,
+                                                                          dual_clip=3.0).sum())(log_r * one)
+            assert np.isfinite(float(loss)) and np.isfinite(float(grad[0, 0])), (a, log_r)
+            assert float(grad[0, 0]) == 0.0  # clipped, capped or clamped: no gradient
+    # A > 0, r = e^100: the clipped branch −A (1 + ε_high); A < 0: the dual clip's −c A.
+    assert float(ppo_clip_loss(100 * one, 0 * one, jnp.array([1.0]), one)[0, 0]) == pytest.approx(-1.2)
+    assert float(ppo_clip_loss(100 * one, 0 * one, jnp.array([-1.0]), one, dual_clip=3.0)[0, 0]) == 3.0
+
+    logp, old, rollout, ref, adv, mask = _batch(9)
+    bad = np.zeros_like(mask)
+    bad[0, 1] = bad[1, 0] = True  # two response tokens with garbage log-probs
+    old_bad = np.where(bad, logp - 100.0, old)  # log r = +100
+    rollout_bad = np.where(bad, -np.inf, rollout)
+    ref_bad = np.where(bad, -np.inf, ref)
+    for estimator in ("k1", "k2", "k3"):
+        config = LossConfig(eps_high=0.28, tis_cap=2.0, kl_beta=0.1, kl_estimator=estimator)
+        loss, grad = jax.value_and_grad(lambda lp, config=config: policy_loss(
+            lp, jnp.asarray(adv), jnp.asarray(mask), config=config, old_logp=jnp.asarray(old_bad),
+            rollout_logp=jnp.asarray(rollout_bad), ref_logp=jnp.asarray(ref_bad))[0])(jnp.asarray(logp))
+        assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all(), estimator
+
+    # In the normal range the clamp changes nothing: per-token values and gradients equal the unclamped loops.
+    def ref_token(b, t):
+        w = min(math.exp(old[b, t] - rollout[b, t]), 2.0)
+        d = float(logp[b, t]) - float(ref[b, t])
+        return w * _ppo_ref(logp[b, t], old[b, t], adv[b], 0.2, 0.28, None) + 0.1 * min(math.exp(-d) + d - 1, 10.0)
+
+    config = LossConfig(eps_high=0.28, tis_cap=2.0, kl_beta=0.1, kl_estimator="k3")
+    loss = policy_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), config=config,
+                       old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout), ref_logp=jnp.asarray(ref))[0]
+    assert float(loss) == pytest.approx(_per_token_ref(ref_token, mask=mask).sum() / mask.sum(), rel=1e-5)
 
 
 def test_on_policy_default_gives_the_reinforce_gradient():
