@@ -17,6 +17,7 @@ from logra_jax.run_config import RunConfig
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict(RunConfig().to_dict())  # every field, so any can be overridden on the CLI
+    c.optimizer.round_bf16 = ml_collections.config_dict.placeholder(bool)  # None: the variant's own; CLI-settable
     c.model.update(preset="tiny", tokenizer="char", init_seed=0,
                    overrides=dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                                   num_kv_heads=2, head_dim=32, max_seq_len=64))

@@ -16,6 +16,7 @@ from logra_jax.run_config import RunConfig
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict(RunConfig().to_dict())
+    c.optimizer.round_bf16 = ml_collections.config_dict.placeholder(bool)  # None: the variant's own; CLI-settable
     c.model.update(checkpoint=str(smollm2_gguf_path()), tokenizer="checkpoint", overrides=dict(max_seq_len=256))
     c.task.update(kind="arithmetic", difficulty=1, operations="+", train_size=2048, eval_size=64,
                   prompt_style="chat")

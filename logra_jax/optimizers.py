@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from logra_jax.optim import logra
-from logra_jax.optim.alias import TARGET_LABEL, target_labels
+from logra_jax.optim.alias import TARGET_LABEL, resolve_round_bf16, target_labels
 from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, find_targets, path_str
 from logra_jax.run_config import OptimizerSection
@@ -82,6 +82,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                              galore_labels)
         return OptimizerPlan(tx)
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
+    round_bf16 = resolve_round_bf16(cfg.round_bf16, cfg.variant)
     kl = None
     if cfg.kl_control:
         kl = dict(kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,
@@ -92,7 +93,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                update_ratio=cfg.update_ratio,
                lr=cfg.learning_rate if cfg.variant == "nemo" else None,
                weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,
-               non_target_tx=non_target_tx, round_bf16=cfg.round_bf16, kl_control=kl,
+               non_target_tx=non_target_tx, round_bf16=round_bf16, kl_control=kl,
                implementation=cfg.implementation, interpret=cfg.interpret)
     targets = find_targets(params, DEFAULT_TARGET_RULES)
     is_target = lambda path, _: ".".join(map(str, path)) in targets
@@ -106,5 +107,5 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
     if cfg.sketch_native or cfg.kl_control:
         attach_sketch_probes(model, spec)
     return OptimizerPlan(tx, mode="sketch_native" if cfg.sketch_native else "dense", trainable=trainable,
-                         targets=targets, spec=spec, round_bf16=cfg.round_bf16,
+                         targets=targets, spec=spec, round_bf16=round_bf16,
                          kl_probe=KLProbeConfig(temperature=temperature) if cfg.kl_control else None)

@@ -192,7 +192,8 @@ class OptimizerSection:
     """name: "logra" | "adamw" | "galore" | "adafactor". AdamW/GaLore use learning_rate, weight_decay and grad_clip
     (0 = off), Adafactor learning_rate;
     GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd), learning_rate (nemo), refresh,
-    distribution, base_seed, b2, eps, round_bf16, sketch_native, non_targets ("frozen" | "adamw"), and the
+    distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
+    nemo), sketch_native, non_targets ("frozen" | "adamw"), and the
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
     subtract_mismatch, probe_responses per step). implementation: "xla" or "pallas" kernels for the sketched
     projection, RowAdam and the merge (interpret: run Pallas in interpret mode, for CPU tests)."""
@@ -209,7 +210,7 @@ class OptimizerSection:
     base_seed: int = 42
     b2: float = 0.95
     eps: float = 1e-8
-    round_bf16: bool = True
+    round_bf16: bool | None = None
     sketch_native: bool = True
     non_targets: str = "frozen"
     kl_control: bool = False
@@ -351,6 +352,11 @@ def _build(section_cls: type, values: Mapping[str, Any], section: str) -> Any:
     kwargs = {}
     for name, value in values.items():
         want = hints[name]
+        if typing.get_origin(want) in (typing.Union, types.UnionType):  # `X | None`: None, or a value of X
+            if value is None:
+                kwargs[name] = None
+                continue
+            (want,) = (arg for arg in typing.get_args(want) if arg is not type(None))
         origin = typing.get_origin(want) or want
         if origin in (Mapping, dict) or (isinstance(origin, type) and issubclass(origin, Mapping)):
             if not isinstance(value, Mapping):

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from logra_jax.kernels.backend import Implementation
@@ -32,6 +33,28 @@ from logra_jax.optim.update_ratio import scale_by_update_ratio
 
 TARGET_LABEL = "logra"
 NON_TARGET_LABEL = "non_target"
+# Each variant's own wire format for the merged factor: the paper's code ships bf16, NeMo merges in fp32.
+ROUND_BF16_BY_VARIANT: dict[str, bool] = {"paper": True, "sgd": True, "nemo": False}
+
+
+def resolve_round_bf16(round_bf16: bool | None, variant: str) -> bool:
+    """`round_bf16` as a bool; None means the variant's own convention (ROUND_BF16_BY_VARIANT).
+
+    Raises:
+      ValueError: an unknown variant.
+      TypeError: round_bf16 neither a bool nor None.
+
+    Example:
+      >>> resolve_round_bf16(None, "paper"), resolve_round_bf16(None, "nemo"), resolve_round_bf16(True, "nemo")
+      (True, False, True)
+    """
+    if variant not in ROUND_BF16_BY_VARIANT:
+        raise ValueError(f"logra: variant must be one of {tuple(ROUND_BF16_BY_VARIANT)}, got {variant!r}")
+    if round_bf16 is None:
+        return ROUND_BF16_BY_VARIANT[variant]
+    if not isinstance(round_bf16, (bool, np.bool_)):
+        raise TypeError(f"logra: round_bf16 must be a bool or None (the variant's convention), got {round_bf16!r}")
+    return bool(round_bf16)
 
 
 def target_labels(tree: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES) -> Any:
@@ -59,15 +82,16 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
           lr: float | optax.Schedule | None = None, weight_decay: float = 0.0,
           rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES,
           non_target_tx: optax.GradientTransformation | None = None,
-          round_bf16: bool = True,
+          round_bf16: bool | None = None,
           kl_control: Mapping[str, Any] | None = None,
           implementation: Implementation = "xla", interpret: bool = False) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
     Per target layer l (LOGRA.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
       paper/sgd: W_l ← W_l − bf16(factor · D_l) A_l, factor = update_ratio · sqrt(Σ‖W‖² / Σ‖D A‖²)
-      nemo:      W_l ← (1 − lr·wd) W_l − lr · bf16(D_l) A_l
-    (bf16 rounding of the factor at merge time when round_bf16). Apply with `logra_jax.optim.apply_updates`.
+      nemo:      W_l ← (1 − lr·wd) W_l − lr · D_l A_l
+    bf16(·): the factor rounded at merge time when round_bf16, by default for paper/sgd (their wire format) and
+    not for nemo (NeMo merges the fp32 factor). Apply with `logra_jax.optim.apply_updates`.
 
     Args:
       rank: sketch rank r (static).
@@ -82,7 +106,8 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       weight_decay: decoupled weight decay λ (nemo variant only).
       rules: TargetRule sequence choosing the targets.
       non_target_tx: transformation for non-target parameters; None freezes them (optax.set_to_zero()).
-      round_bf16: round the final factor to bf16 when merging (the paper's wire format).
+      round_bf16: round the final factor to bf16 when merging; None (default): the variant's own convention,
+        bf16 for paper and sgd (the paper's wire format), fp32 for nemo (NeMo merges the fp32 factor).
       kl_control: None, or keyword arguments of `scale_by_predicted_kl` ({} for its defaults) to scale each step
         to a predicted-KL budget; `update` then needs `kl_probe=fn(updates)` or `kl_prediction=(q_sum, count)`.
       implementation: "xla" or "pallas": the kernels of RowAdam's row moment (`kernels.row_moment`) and of the
@@ -93,7 +118,7 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       An optax.GradientTransformationExtraArgs (an optax.partition; extra args flow to every transform).
 
     Raises:
-      ValueError/TypeError: invalid hyperparameters or implementation, lr missing for nemo or given for
+      ValueError/TypeError: invalid hyperparameters, round_bf16 or implementation, lr missing for nemo or given for
         paper/sgd, weight_decay for paper/sgd; at init, no target in the params.
 
     Example:
@@ -109,6 +134,7 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       True
     """
     rules = check_rules(rules)
+    round_bf16 = resolve_round_bf16(round_bf16, variant)
     if variant == "nemo":
         if lr is None:
             raise ValueError("logra: variant='nemo' needs a learning rate lr")

@@ -314,3 +314,36 @@ def test_update_ratio_invariant_and_zero_sketch():
     zero = run(jax.tree.map(jnp.zeros_like, params))
     for p in SHAPES:
         assert bool(jnp.all(zero[p] == 0)), p
+
+
+@pytest.mark.parametrize("variant, round_bf16, rounds", [
+    ("paper", None, True), ("sgd", None, True), ("nemo", None, False),  # each variant's own wire format
+    ("paper", False, False), ("nemo", True, True),  # an explicit value overrides it
+])
+def test_round_bf16_defaults_to_the_variants_convention(variant, round_bf16, rounds):
+    rng = np.random.default_rng(4)
+    params = make_params(rng)
+    kwargs = dict(lr=0.05) if variant == "nemo" else dict(update_ratio=1e-2)
+    if round_bf16 is not None:
+        kwargs["round_bf16"] = round_bf16
+    tx = logra(RANK, base_seed=BASE, distribution="gaussian", variant=variant, rules=RULES, **kwargs)
+    updates, _ = tx.update(as_tree(make_grads(rng), rng.normal(size=12)), tx.init(params), params)
+    new = apply_updates(params, updates)
+    for p in SHAPES:
+        rows, width = DIMS[p]
+        a = ref_projections(p, 0, "gaussian")
+        factor = np.asarray(get(updates, p).factor, np.float64).reshape(len(a), -1, RANK)
+
+        def merged(f, p=p, a=a, rows=rows, width=width):
+            return np.asarray(get(params, p), np.float64) + from_mats(
+                np.stack([fi @ ai for fi, ai in zip(f, a)]), SHAPES[p], list(rows), list(width))
+
+        expected, other = (merged(bf16(factor)), merged(factor)) if rounds else (merged(factor), merged(bf16(factor)))
+        got = np.asarray(get(new, p), np.float64)
+        err, gap = np.abs(got - expected).max(), np.abs(other - expected).max()
+        assert err < gap / 20, (p, err, gap)  # the two wire formats are told apart by far more than float32 error
+
+
+def test_round_bf16_is_validated():
+    with pytest.raises(TypeError, match="round_bf16 must be a bool or None"):
+        logra(RANK, rules=RULES, round_bf16="yes")

@@ -84,3 +84,32 @@ def test_held_out_problems_are_never_trained_on(tmp_path):
     assert all(carried(p) for p in demo_tasks.eval_problems + list(demo_tasks.train_problems))
     easy, task_like = demo_tasks.sft_problems[:1000], demo_tasks.sft_problems[-10:]
     assert not any(carried(p) for p in easy) and all(carried(p) for p in task_like)
+
+
+@pytest.mark.parametrize(("variant", "round_bf16", "expected"), [
+    ("paper", None, True), ("nemo", None, False), ("sgd", None, True), ("nemo", True, True), ("paper", False, False),
+])
+def test_round_bf16_defaults_to_the_variants_convention(variant, round_bf16, expected):
+    from logra_jax.models.config import preset
+    from logra_jax.models.decoder import init_model
+    from logra_jax.optimizers import build_optimizer
+
+    run = RunConfig.from_dict({"optimizer": {"variant": variant, "round_bf16": round_bf16, "rank": 4}})
+    assert run.optimizer.round_bf16 is round_bf16
+    plan = build_optimizer(run.optimizer, init_model(preset("tiny")))
+    assert plan.round_bf16 is expected  # what the sketch-native step and the merge use
+
+
+def test_round_bf16_is_none_a_bool_or_a_clear_error(monkeypatch):
+    from absl import flags
+    from ml_collections import config_flags
+
+    for extra, expected in (([], None), (["--config.optimizer.round_bf16=false"], False)):
+        argv = ["main", f"--config={CONFIGS / 'demo.py'}", *extra]
+        monkeypatch.setattr("sys.argv", argv)  # config_flags reads the overrides from sys.argv
+        flag_values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", flag_values=flag_values)
+        flag_values(argv)
+        assert RunConfig.from_dict(flag_values.config).optimizer.round_bf16 is expected
+    with pytest.raises(ValueError, match=r"config\.optimizer\.round_bf16 = 'yes': must be a bool"):
+        RunConfig.from_dict({"optimizer": {"round_bf16": "yes"}})
