@@ -8,7 +8,9 @@ Final answer: the content of the last `\\boxed{...}` (braces balanced, nesting a
 after the last `####`, whichever marker comes last in the text.
 
 Numbers are compared exactly as fractions: "1,234" = "1234", "0.5" = "1/2" = "\\frac{1}{2}", "$18" = "18 dollars"
-= "18\\text{ dollars}", "50\\%" = "50"; anything not numeric is compared as normalised text.
+= "18\\text{ dollars}", "50\\%" = "50", "2 million" = "2000000"; anything not numeric is compared as normalised
+text. Words after a number make it a number only when they are units from UNIT_WORDS (currencies, measures, counted
+things, "per …" phrases) after optional magnitude words (which are applied): "2x", "5i", "5 or six" are not numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +30,27 @@ _BOXED = ("\\boxed", "\\fbox")
 _HASH = "####"
 
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
-_UNIT = re.compile(r"[A-Za-z][A-Za-z .]*")
+_WORD = re.compile(r"\s*([A-Za-z]+|/)(?:\^\{?[23]\}?)?\.?")
+_SQRT_SHORT = re.compile(r"\\sqrt\s*([0-9A-Za-z])")
+# Words that may follow a number and leave its value alone (compared lower-case, plural "s" optional):
+# currencies, measures (SI and imperial, time, speed, angle), and the counted things of math word problems
+# (Minerva's normalisation list). A single letter is a unit only here: "x", "i", "n" are variables.
+UNIT_WORDS: frozenset[str] = frozenset({
+    "dollar", "usd", "cent", "euro", "eur", "pound", "gbp", "yen", "yuan", "rupee", "buck",
+    "meter", "metre", "m", "cm", "mm", "km", "kilometer", "kilometre",
+    "centimeter", "centimetre", "millimeter", "millimetre", "inch", "in", "ft", "foot", "feet",
+    "yard", "yd", "mile", "mi",
+    "gram", "g", "kg", "kilogram", "mg", "milligram", "lb", "lbs", "ounce", "oz", "ton", "tonne",
+    "liter", "litre", "l", "ml", "milliliter", "millilitre", "gallon", "gal", "quart", "pint", "cup",
+    "second", "sec", "s", "minute", "min", "hour", "hr", "h", "day", "week", "month", "year", "yr", "decade", "century",
+    "mph", "kph", "kmh", "degree", "deg", "radian", "percent",
+    "square", "sq", "cubic",
+    "unit", "point", "way", "integer", "digit", "student", "meal", "edge",
+    "multiple", "time", "people", "person", "item", "piece", "page", "inches", "centuries",
+})
+# Magnitude words after a number multiply it ("2 million" = 2000000); they are applied, never ignored.
+MAGNITUDE_WORDS: dict[str, int] = {"dozen": 12, "hundred": 100, "thousand": 10**3, "million": 10**6,
+                                   "billion": 10**9, "trillion": 10**12}
 _FRAC = re.compile(r"([+-]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _FRAC_SHORT = re.compile(r"([+-]?)\\[dt]?frac(\d)(\d)")
 _TEXT_MACRO = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\{([^{}]*)\}")
@@ -129,6 +151,7 @@ def extract_answer(text: str) -> str | None:
 
 def _strip_noise(s: str) -> str:
     s = s.strip().replace("−", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _SQRT_SHORT.sub(r"\\sqrt{\1}", s)  # \sqrt3 is \sqrt{3} (TeX takes one token)
     s = _TEXT_MACRO.sub(r" \1", s)
     for token in _NOISE:
         s = s.replace(token, "")
@@ -139,15 +162,47 @@ def _strip_noise(s: str) -> str:
     return s.strip().rstrip(".").strip()
 
 
+def _is_unit(word: str) -> bool:
+    word = word.lower()
+    return word in UNIT_WORDS or (len(word) > 2 and word.endswith("s") and word[:-1] in UNIT_WORDS)
+
+
+def _units(rest: str) -> int | None:
+    """The product of the magnitude words that start `rest`, if the rest is a unit phrase (unit words, with
+    "per" or "/" between units: "dollars per day", "km/h", "m^2"); None for anything else (variables, hedges)."""
+    rest, words, i = rest.strip(), [], 0
+    while i < len(rest):
+        m = _WORD.match(rest, i)
+        if m is None:
+            return None
+        words.append(m.group(1).lower())
+        i = m.end()
+    scale = 1
+    while words and words[0] in MAGNITUDE_WORDS:
+        scale *= MAGNITUDE_WORDS[words.pop(0)]
+    after_unit = False  # "per" and "/" need a unit on both sides
+    for k, word in enumerate(words):
+        if word in ("per", "/"):
+            if not after_unit or k + 1 == len(words):
+                return None
+            after_unit = False
+        elif _is_unit(word):
+            after_unit = True
+        else:
+            return None
+    return scale
+
+
 def _plain_number(s: str) -> Fraction | None:
-    """A decimal or thousands-separated integer, optionally followed by a unit word ("18 dollars")."""
+    """A decimal or thousands-separated integer, optionally followed by magnitude words (applied) and a unit
+    phrase ("18 dollars per day", "2 million dollars")."""
     m = _NUMBER.match(s)
     if m is None:
         return None
-    rest = s[m.end():].strip()
-    if rest and _UNIT.fullmatch(rest) is None:
+    scale = _units(s[m.end():])
+    if scale is None:
         return None
-    return Fraction(m.group(0).replace(",", ""))
+    return Fraction(m.group(0).replace(",", "")) * scale
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -155,7 +210,9 @@ def parse_number(text: str) -> Fraction | None:
 
     Accepts: integers and decimals with an optional sign (ASCII or Unicode minus), thousands commas (groups of
     exactly three digits, so "1,2" is not a number), `a/b`, `\\frac{a}{b}` (also \\dfrac, \\tfrac, \\frac12),
-    currency and percent signs, degrees, `\\text{unit}` and trailing unit words, and a leading `x =`.
+    currency and percent signs, degrees, a leading `x =`, and after the number magnitude words (applied: "2
+    million") and unit words from UNIT_WORDS, plain or in `\\text{unit}` ("18 dollars per day", "5 km/h").
+    Anything else after the number makes it not a number: "2x", "5i", "5 or six".
 
     Example:
       >>> parse_number("$1,234.50 dollars")
@@ -173,10 +230,8 @@ def parse_number(text: str) -> Fraction | None:
             if num is None or den is None or den == 0:
                 return None
             return -num / den if m.group(1) == "-" else num / den
-    if s.count("/") == 1:
-        left, right = s.split("/")
-        if _NUMBER.fullmatch(left.strip()) is None:
-            return None
+    left, slash, right = s.partition("/")
+    if slash and _NUMBER.fullmatch(left.strip()):  # a/b; otherwise "/" can only be a unit's ("5 km/h")
         num, den = _plain_number(left.strip()), _plain_number(right.strip())
         if num is None or den is None or den == 0:
             return None

@@ -90,6 +90,25 @@ def test_extract_answer_takes_the_marker_that_comes_last():
     ("", None),
     ("1 2", None),
     ("9" * 100, None),
+    # units: real ones are ignored, magnitude words applied, anything else makes the text not a number
+    ("5 km/h", Fraction(5)),
+    ("10 m^2", Fraction(10)),
+    ("3 square feet", Fraction(3)),
+    ("12 inches", Fraction(12)),
+    ("60 mph", Fraction(60)),
+    ("7 students", Fraction(7)),
+    ("1/2 dollars", Fraction(1, 2)),
+    ("100 million", Fraction(10**8)),
+    ("1.5 million dollars", Fraction(1_500_000)),
+    ("2 dozen", Fraction(24)),
+    ("2x", None),  # a variable
+    ("2 x", None),
+    ("5i", None),  # an imaginary unit
+    ("2 pi", None),
+    ("5 or six", None),  # hedged
+    ("5 or 6", None),
+    ("5 dollars per", None),
+    ("7 apples", None),  # not in UNIT_WORDS: compared as text
 ])
 def test_parse_number(text, value):
     assert parse_number(text) == value
@@ -109,6 +128,17 @@ def test_parse_number(text, value):
     ("x^2 + 2", "x^2+1", False),
     (None, "1", False),
     ("   ", "", False),
+    ("18 dollars per day", "18", True),
+    ("2x", "2", False),
+    ("5i", "5", False),
+    ("100 million", "100", False),
+    ("100 million", "100,000,000", True),
+    ("5 or six", "5", False),
+    ("2", "2x", False),  # a reference "2x" is not the number 2
+    ("2x", "2x", True),
+    (r"\sqrt3", r"\sqrt{3}", True),
+    (r"2\sqrt3", r"2 \sqrt{3}", True),
+    (r"\sqrt12", r"\sqrt{12}", False),  # TeX: \sqrt12 is \sqrt{1}2
 ])
 def test_answers_match(predicted, reference, match):
     assert answers_match(predicted, reference) is match
