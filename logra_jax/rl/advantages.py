@@ -9,7 +9,8 @@ With group g = {r_1..r_n}, mean r̄_g, unbiased std s_g, batch mean r̄ and std 
                 b_1 = r̄_batch(0), b_{k+1} = (1 − m) b_k + m r̄_batch(k), b for the first batch = 0
                 (LOGRA.md §7: single response, m = 0.1)
   reinforce++   A_i = (r_i − r̄) / (s + ε) over the whole batch (REINFORCE++ global normalisation; with
-                group_baseline the group mean is subtracted first: REINFORCE++-baseline)
+                group_baseline the group mean is subtracted first: REINFORCE++-baseline). Mean and std are
+                over responses by default; whiten="token" weights each response by its length, as verl does
 Every estimator is an `AdvantageEstimator(init, update)` pair (optax style): `update(rewards, state)` returns
 (advantages, new_state); stateless estimators carry an empty state. Unknown names raise ValueError.
 """
@@ -82,20 +83,56 @@ def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     return (d - others).reshape(-1)
 
 
-def reinforce_pp_advantages(rewards: jax.Array, group_size: int = 1, *, group_baseline: bool = False,
-                            eps: float = 1e-6) -> jax.Array:
-    """A_i = (x_i − mean(x)) / (std(x) + ε) over the batch, x = r (or r − mean_g with group_baseline).
+WHITENINGS: tuple[str, ...] = ("response", "token")
 
-    std is the population std of the batch (ddof 0, as a whitening step).
+
+def reinforce_pp_advantages(rewards: jax.Array, group_size: int = 1, *, group_baseline: bool = False,
+                            eps: float = 1e-6, whiten: str = "response", lengths: jax.Array | None = None
+                            ) -> jax.Array:
+    """A_i = (x_i − μ) / (σ + ε) over the batch, x = r (or r − mean_g with group_baseline), with weights w_i:
+
+      μ = Σ w_i x_i,  σ² = Σ w_i (x_i − μ)²      (population variance: a whitening step)
+      whiten="response" (default): w_i = 1/N, every response counts once
+      whiten="token":              w_i = L_i / Σ_j L_j, every response token counts once (verl's masked_whiten of
+                                   the response-broadcast returns; verl also applies Bessel's correction over
+                                   tokens and adds 1e-8 to σ², which differ negligibly at thousands of tokens)
+
+    Args:
+      rewards: [B·n] rewards, group-contiguous.
+      group_size: n.
+      group_baseline: subtract each group's mean first (REINFORCE++-baseline).
+      eps: ε added to σ.
+      whiten: "response" or "token".
+      lengths: [B·n] response lengths L_i (tokens); required by whiten="token" and only used there.
+
+    Raises:
+      ValueError: an unknown `whiten`, `lengths` missing for "token" (or given for "response"), or of the wrong
+        shape.
 
     Example:
       >>> reinforce_pp_advantages(jnp.array([1.0, 0.0])).round(4)
       Array([ 1., -1.], dtype=float32)
+      >>> a = reinforce_pp_advantages(jnp.array([1.0, 0.0]), whiten="token", lengths=jnp.array([3, 1]))
+      >>> [round(float(x), 3) for x in a]  # μ = 0.75, σ = sqrt(0.1875)
+      [0.577, -1.732]
     """
     _check_group_size(group_size, 1, "reinforce_pp_advantages")
+    if whiten not in WHITENINGS:
+        raise ValueError(f"reinforce_pp_advantages: whiten must be one of {WHITENINGS}, got {whiten!r}")
+    if (lengths is None) == (whiten == "token"):
+        raise ValueError(f"reinforce_pp_advantages: lengths is required by whiten='token' and only used there, "
+                         f"got whiten={whiten!r} with lengths={'None' if lengths is None else 'given'}")
     x = dr_grpo_advantages(rewards, group_size) if group_baseline else _groups(rewards, group_size).reshape(-1)
-    centred = _centred(x)
-    return centred / (jnp.sqrt(jnp.mean(centred**2)) + eps)
+    if lengths is None:
+        weights = jnp.full(x.shape, 1.0 / x.shape[0], jnp.float32)
+    else:
+        lengths = jnp.asarray(lengths, jnp.float32)
+        if lengths.shape != x.shape:
+            raise ValueError(f"reinforce_pp_advantages: lengths must be [B·n] = {x.shape}, got {lengths.shape}")
+        weights = lengths / jnp.maximum(lengths.sum(), 1.0)
+    d = x - x[:1]  # shift first, as _centred: equal values centre to exactly 0
+    centred = d - jnp.sum(weights * d)
+    return centred / (jnp.sqrt(jnp.sum(weights * centred**2)) + eps)
 
 
 class BaselineState(NamedTuple):
@@ -160,10 +197,16 @@ def _reinforce(group_size: int = 1, momentum: float = 0.1) -> AdvantageEstimator
                               update=functools.partial(reinforce_advantages, momentum=momentum))
 
 
-def _reinforce_pp(group_size: int = 1, group_baseline: bool = False, eps: float = 1e-6) -> AdvantageEstimator:
+def _reinforce_pp(group_size: int = 1, group_baseline: bool = False, eps: float = 1e-6,
+                  whiten: str = "response") -> AdvantageEstimator:
+    """whiten="token" needs the response lengths at each update: `update(rewards, state, lengths=L)`."""
     _check_group_size(group_size, 1, "reinforce++")
-    return _stateless(functools.partial(reinforce_pp_advantages, group_size=group_size,
-                                        group_baseline=group_baseline, eps=eps))
+    if whiten not in WHITENINGS:
+        raise ValueError(f"reinforce++: whiten must be one of {WHITENINGS}, got {whiten!r}")
+    fn = functools.partial(reinforce_pp_advantages, group_size=group_size, group_baseline=group_baseline, eps=eps,
+                           whiten=whiten)
+    return AdvantageEstimator(init=lambda: (),
+                              update=lambda rewards, state, lengths=None: (fn(rewards, lengths=lengths), state))
 
 
 ESTIMATORS: dict[str, Callable[..., AdvantageEstimator]] = {
@@ -181,7 +224,8 @@ def advantage_estimator(name: str, *, group_size: int, **hparams: Any) -> Advant
     Args:
       name: one of ESTIMATORS ("grpo", "dr_grpo", "rloo", "reinforce", "reinforce++").
       group_size: n, responses per prompt.
-      **hparams: estimator options (grpo: eps; reinforce: momentum; reinforce++: group_baseline, eps).
+      **hparams: estimator options (grpo: eps; reinforce: momentum; reinforce++: group_baseline, eps, whiten —
+        with whiten="token" its update takes the response lengths: `update(rewards, state, lengths=L)`).
 
     Raises:
       ValueError: for an unknown name (listing the known ones) or an invalid group size.

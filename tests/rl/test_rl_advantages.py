@@ -75,6 +75,40 @@ def test_reinforce_pp_matches_numpy_whitening(group_baseline):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group_baseline", [False, True])
+def test_reinforce_pp_token_whitening_matches_numpy_over_tokens(group_baseline):
+    """whiten="token": verl's masked whitening of the returns broadcast over each response's tokens; the reference
+    builds the token array explicitly (value x_i repeated L_i times) and whitens it with numpy."""
+    r = _rewards(4, 3, seed=6)
+    lengths = np.random.default_rng(7).integers(1, 40, size=r.shape)
+    lengths[2] = 0  # an empty response weighs nothing
+    x = np.asarray(_loop(r, 3, _dr_ref)) if group_baseline else r.astype(np.float64)
+    tokens = np.repeat(x, lengths)
+    expected = (x - tokens.mean()) / (tokens.std() + 1e-6)
+    est = advantage_estimator("reinforce++", group_size=3, group_baseline=group_baseline, whiten="token")
+    got, _ = est.update(jnp.asarray(r), est.init(), lengths=jnp.asarray(lengths))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    per_response = reinforce_pp_advantages(jnp.asarray(r), 3, group_baseline=group_baseline)
+    assert np.abs(np.asarray(per_response) - expected).max() > 0.05  # the default is a different estimator
+    # equal rewards still give exactly 0
+    np.testing.assert_array_equal(reinforce_pp_advantages(jnp.full((6,), 0.3), 3, whiten="token",
+                                                          lengths=jnp.arange(6)), np.zeros(6))
+
+
+def test_reinforce_pp_whitening_is_validated():
+    r = jnp.ones(4)
+    with pytest.raises(ValueError, match="whiten must be one of"):
+        reinforce_pp_advantages(r, whiten="tokens")
+    with pytest.raises(ValueError, match="whiten must be one of"):
+        advantage_estimator("reinforce++", group_size=1, whiten="sequence")
+    with pytest.raises(ValueError, match="lengths is required by whiten='token'"):
+        reinforce_pp_advantages(r, whiten="token")
+    with pytest.raises(ValueError, match="only used there"):
+        reinforce_pp_advantages(r, lengths=jnp.ones(4))
+    with pytest.raises(ValueError, match=r"lengths must be \[B·n\]"):
+        reinforce_pp_advantages(r, whiten="token", lengths=jnp.ones(3))
+
+
 def test_reinforce_running_baseline_matches_a_python_loop():
     rng = np.random.default_rng(0)
     batches = [rng.choice([1.0, -0.01], size=8).astype(np.float32) for _ in range(5)]
