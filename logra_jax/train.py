@@ -34,7 +34,13 @@ from logra_jax.optimizers import build_optimizer
 from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
 from logra_jax.rl.evaluation import greedy_accuracy
 from logra_jax.rl.losses import LossConfig
-from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, response_logprobs, rl_batch_shapes
+from logra_jax.rl.objective import (
+    make_policy_loss_fn,
+    probe_batch_shapes,
+    probe_rows,
+    response_logprobs,
+    rl_batch_shapes,
+)
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
 from logra_jax.rl.rollout_worker import rollout_engine
@@ -55,7 +61,14 @@ from logra_jax.sharding import (
 from logra_jax.train_step import TrainState, make_train_step
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
-GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised")
+GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")
+# A step the KL controller refuses (non-finite or negative q) changes nothing and is counted; this many in a row
+# stop the run, naming the step.
+MAX_CONSECUTIVE_REFUSALS = 3
+
+
+class KLRefusalError(RuntimeError):
+    """The predicted-KL controller refused MAX_CONSECUTIVE_REFUSALS updates in a row (the message names the step)."""
 
 
 def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
@@ -67,13 +80,18 @@ def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
 EXAMPLES_SHOWN = 3  # held-out problems whose greedy responses the log shows before and after RL
 
 
-def _probe_batch(rollout, count: int) -> dict[str, jax.Array]:
-    """The first `count` responses; kl_mask marks the positions whose logits generated a response token."""
-    tokens = rollout.tokens[:count]
-    response = rollout.response_mask[:count]
+def _probe_batch(rollout, rows: np.ndarray, step: int) -> dict[str, jax.Array]:
+    """The probe responses `rows` (see rl.objective.probe_rows); kl_mask marks the positions whose logits
+    generated a response token. A probe without such a position is an error naming the step (the controller
+    would otherwise take an unmeasured full step)."""
+    tokens = rollout.tokens[rows]
+    response = rollout.response_mask[rows]
+    if not bool(jnp.any(response)):
+        raise ValueError(f"RL step {step}: the predicted-KL probe responses (rollout rows {rows.tolist()}) hold no "
+                         "generated token, so the step's KL cannot be predicted")
     prompt_len = rollout.prompt_mask.shape[1]
     kl_mask = jnp.zeros(tokens.shape, bool).at[:, prompt_len - 1:-1].set(response)
-    return {"tokens": tokens, "attention_mask": rollout.attention_mask()[:count], "kl_mask": kl_mask}
+    return {"tokens": tokens, "attention_mask": rollout.attention_mask()[rows], "kl_mask": kl_mask}
 
 
 def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Path, *,
@@ -89,6 +107,8 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     Raises:
       ValueError: invalid config (names the field and value).
       metrics.NonFiniteMetricError: a guarded metric became NaN/inf (names the step and metric).
+      KLRefusalError: the KL controller refused 3 consecutive updates (non-finite or negative predicted q).
+      ValueError: a KL probe without generated tokens (names the step).
       checkpoint.CheckpointError / FileNotFoundError: an unreadable checkpoint in workdir.
     """
     run = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
@@ -194,6 +214,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
     n = run.rollout.num_samples
+    refusals = 0
     try:
         for step in range(start, run.train.steps):
             t0 = time.perf_counter()
@@ -213,7 +234,11 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
             batch = _rl_batch(rollout, advantages)
             if ref_logprobs is not None:
                 batch["ref_logprobs"] = ref_logprobs(batch)
-            probe = None if plan.kl_probe is None else _probe_batch(rollout, run.optimizer.probe_responses)
+            probe = None
+            if plan.kl_probe is not None:
+                rows = probe_rows(run.rollout.prompts_per_step, n, run.optimizer.probe_responses,
+                                  (run.train.seed, step))
+                probe = _probe_batch(rollout, rows, step + 1)
             state, out, updates = step_fn(state, rest, batch, probe)
             report = sync.push(updates, state.params)
             out = {k: float(v) for k, v in jax.device_get(out).items()}
@@ -224,7 +249,17 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
                        truncated=float(1.0 - np.asarray(rollout.finished).mean()),
                        reward_failures=float(reward_stats.num_failed + reward_stats.num_timed_out),
                        rollout_time=t_rollout, step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
-            metrics_lib.check_finite(step + 1, out, GUARDED)
+            if out.get("kl_refused"):
+                refusals += 1
+                log(f"RL step {step + 1}: the KL controller refused the update (predicted q = {out['kl_q']}); "
+                    f"nothing was changed ({refusals} in a row, {int(out['kl_skipped'])} in all)")
+                if refusals >= MAX_CONSECUTIVE_REFUSALS:
+                    raise KLRefusalError(f"RL step {step + 1}: the KL controller refused {refusals} consecutive "
+                                         f"updates (last predicted q = {out['kl_q']}); stopping")
+                metrics_lib.check_finite(step + 1, out, tuple(m for m in GUARDED if m != "kl_q"))
+            else:
+                refusals = 0
+                metrics_lib.check_finite(step + 1, out, GUARDED)
             if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
                 out["eval_accuracy"] = evaluate()
             if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:

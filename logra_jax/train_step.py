@@ -7,7 +7,9 @@ for the caller to jit (with shardings and donation, see logra_jax.sharding). Two
     gradient); targets enter the optax chain as LowRankUpdate leaves, which `scale_by_sketch` passes through.
 Under GSPMD a batch sharded over the data axes gives the data-parallel mean without explicit collectives.
 With a `KLProbeConfig`, the step builds the predicted-KL probe on `probe` (a few responses) for
-`scale_by_predicted_kl` and measures the realised KL on the same responses after the update.
+`scale_by_predicted_kl` and measures the realised KL on the same responses after the update; a step the
+controller refuses (non-finite or negative q) changes nothing but the controller's refusal count and reports
+kl_refused = 1.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from flax import nnx
 
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
-from logra_jax.optim.predicted_kl import make_kl_probe, realised_kl
+from logra_jax.optim.predicted_kl import hold_if_skipped, make_kl_probe, realised_kl
 from logra_jax.optim.sketch_native import SketchProbe, SketchSpec, sketching
 from logra_jax.optim.targets import Target, path_str
+from logra_jax.rl.losses import LOSS_DENOMINATOR
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mapping[str, jax.Array]]]
 Trainable = Callable[[tuple, Any], bool]
@@ -76,25 +79,40 @@ def split_microbatches(batch: Mapping[str, jax.Array], microbatches: int) -> dic
 
 def accumulate_grads(value_and_grad: Callable[[Mapping[str, jax.Array]], tuple[tuple[jax.Array, Any], Any]],
                      batch: Mapping[str, jax.Array], microbatches: int) -> tuple[jax.Array, Any, Any]:
-    """Mean loss, float32 mean gradients and mean aux metrics over `microbatches` slices of `batch`.
+    """Loss, float32 gradients and mean aux metrics over `microbatches` slices of `batch`, normalised once.
 
     value_and_grad(microbatch) -> ((loss, aux), grads). Gradients are summed in float32 inside a lax.scan (only
-    one microbatch's activations are alive at a time) and divided by the number of microbatches.
+    one microbatch's activations are alive at a time). The normalisation:
+      - a loss whose aux holds LOSS_DENOMINATOR (its normaliser, independent of the parameters: a token count,
+        a sequence count, ...) is a ratio num_m / den_m; the step returns Σ_m num_m / max(Σ_m den_m, 1) and the
+        gradient of that, with num_m = loss_m · max(den_m, 1). This is the whole batch's loss whatever the split
+        (the authors divide by the global count of valid tokens), and under GSPMD the sums run over every
+        data-parallel replica's rows;
+      - any other loss is a mean per microbatch, and microbatches are weighted equally (exact when they hold
+        equal shares of its normaliser).
+    Aux metrics are averaged over microbatches; LOSS_DENOMINATOR is reported summed.
     """
     mbs = split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda x: x[0], mbs)
-    _, grad_shape = jax.eval_shape(value_and_grad, first)
+    (_, aux_shape), grad_shape = jax.eval_shape(value_and_grad, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grad_shape)
+    weighted = isinstance(aux_shape, Mapping) and LOSS_DENOMINATOR in aux_shape
 
     def body(carry, mb):
-        acc, loss_sum = carry
+        acc, loss_sum, den_sum = carry
         (loss, aux), grads = value_and_grad(mb)
-        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return (acc, loss_sum + loss.astype(jnp.float32)), aux
+        weight = jnp.maximum(aux[LOSS_DENOMINATOR].astype(jnp.float32), 1.0) if weighted else jnp.float32(1.0)
+        acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), acc, grads)
+        den = aux[LOSS_DENOMINATOR].astype(jnp.float32) if weighted else jnp.float32(1.0)
+        return (acc, loss_sum + weight * loss.astype(jnp.float32), den_sum + den), aux
 
-    (acc, loss_sum), auxs = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
-    grads = jax.tree.map(lambda a: a / microbatches, acc)
-    return loss_sum / microbatches, grads, jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), auxs)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (acc, loss_sum, den_sum), auxs = jax.lax.scan(body, init, mbs)
+    norm = jnp.maximum(den_sum, 1.0)
+    aux = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), auxs)
+    if weighted:
+        aux = {**aux, LOSS_DENOMINATOR: den_sum}
+    return loss_sum / norm, jax.tree.map(lambda a: a / norm, acc), aux
 
 
 def _flat(state: Any) -> dict[str, jax.Array]:
@@ -204,8 +222,14 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             if "rollout_mismatch" in metrics:  # measured by the RL objective; feeds the controller's EMA
                 extra.setdefault("rollout_mismatch", metrics["rollout_mismatch"])
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+        # A step the KL controller refused advances no state: its updates are zeros (params stay bit for bit),
+        # moments, counters and the projection step stay where they were; only the refusal count moves.
+        updates, opt_state, refused = hold_if_skipped(updates, state.opt_state, opt_state)
         new_params = apply_lowrank_updates(state.params, updates)
+        new_step = state.step + 1 if refused is None else jnp.where(refused, state.step, state.step + 1)
         metrics = {"loss": loss, **metrics}
+        if refused is not None:
+            metrics["kl_refused"] = refused.astype(jnp.float32)
         for field, name in _KL_STATE_METRICS.items():
             value = optax.tree_utils.tree_get(opt_state, field)
             if value is not None:
@@ -216,14 +240,15 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             kl_sum, count = realised_kl(graphdef, state.params, new_params, rest, probe, kl_probe.temperature,
                                         kl_probe.chunk)
             metrics["kl_realised"] = kl_sum / jnp.maximum(count, 1.0)
-        new_state = TrainState(new_params, opt_state, state.step + 1)
+        new_state = TrainState(new_params, opt_state, new_step)
         return (new_state, metrics, sync_view(updates)) if return_updates else (new_state, metrics)
 
     return step
 
 
 def next_token_loss(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean next-token cross-entropy over positions where batch['loss_mask'][:, 1:] is set.
+    """Mean next-token cross-entropy over positions where batch['loss_mask'][:, 1:] is set (their count is the
+    LOSS_DENOMINATOR, so a microbatched step gives the whole batch's token mean).
 
     batch: 'tokens' int32 [B, T], 'attention_mask' [B, T] and 'loss_mask' [B, T] (1 where the token is a target).
     """
@@ -233,5 +258,5 @@ def next_token_loss(model: nnx.Module, batch: Mapping[str, jax.Array]) -> tuple[
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
     loss = jnp.sum(nll * mask) / jnp.maximum(mask.sum(), 1.0)
-    return loss, {"tokens": mask.sum()}
+    return loss, {"tokens": mask.sum(), LOSS_DENOMINATOR: mask.sum()}
 

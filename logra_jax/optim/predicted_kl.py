@@ -6,8 +6,10 @@ it so that the prediction meets a budget:
   p = softmax(z/T), u = δz/T,   q_t = ½ Σ_v p_v (u_v − Σ_w p_w u_w)²        (KL(π_θ ‖ π_θ+αΔ) = α² q + O(α³))
   q = Σ_t q_t / #t over generated positions (sum and count reduced globally before dividing)
   budget(n) = b_final + (b_0 − b_final)·½(1 + cos(π·min(n, N−1)/(N−1)))     (cosine over N updates, then flat)
-  budget_eff = max(budget − m, f·budget),  m = EMA_w(clip(rollout-vs-trainer log-prob gap, 0))   (optional)
-  α = min(α_max, sqrt(budget_eff / q));   q = 0 → α = 1;   q non-finite or < 0 → the step is skipped (α = 0)
+  budget_eff = max(budget − m, f·budget),  m ← (1 − w)·m + w·clip(gap, 0) from m = 0   (optional)
+  α = min(α_max, sqrt(budget_eff / q));   q = 0 → α = 1
+  q non-finite or < 0, or no probed position → the step is refused: α = 0, `skipped` + 1, and
+  `hold_if_skipped` keeps every other optimizer state (moments, counters) where it was
 
 δz is the JVP of the logits along the proposed update, computed in factored form by
 `logra_jax.optim.sketch_native` (tangent mode): δy = (X Aᵀ) Uᵀ at every target, never a dense ΔW.
@@ -106,7 +108,7 @@ def kl_budget_schedule(count: jax.Array, kl_budget: float, kl_budget_final: floa
 
 
 class PredictedKLState(NamedTuple):
-    """count: updates seen; mismatch: EMA of the rollout/trainer gap (NaN before the first measurement);
+    """count: updates seen; mismatch: EMA of the rollout/trainer gap (0 before the first measurement);
     q, alpha, budget: last prediction, step scale and effective budget; skipped: updates refused (bad q)."""
 
     count: jax.Array
@@ -134,9 +136,10 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
     The prediction arrives as a keyword extra argument of `update`: either `kl_prediction=(q_sum, count)` or
     `kl_probe=fn(updates) -> (q_sum, count)` (called on the incoming updates; q is quadratic, so their sign does
     not matter). `rollout_mismatch=` (a scalar gap, ≥ 0 after clipping) feeds the optional mismatch subtraction.
-    A non-finite or negative q sets α = 0 (the update is skipped) and increments `skipped`; it never updates
-    silently. Floating leaves of the updates are multiplied by α; integer leaves (e.g. a low-rank update's step)
-    are left alone.
+    A non-finite or negative q, or a prediction over no position (count = 0), sets α = 0 (the update is
+    refused) and increments `skipped`; it never updates silently. The rest of this state still advances: a
+    train step undoes that, and the other transforms' advance, with `hold_if_skipped`. Floating leaves of the
+    updates are multiplied by α; integer leaves (e.g. a low-rank update's step) are left alone.
 
     Args:
       kl_budget, kl_budget_final, schedule_steps: the cosine budget schedule.
@@ -169,7 +172,7 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
     def init(params: Any) -> PredictedKLState:
         del params
         f32 = lambda v: jnp.asarray(v, jnp.float32)
-        return PredictedKLState(count=jnp.zeros((), jnp.int32), mismatch=f32(jnp.nan), q=f32(0.0),
+        return PredictedKLState(count=jnp.zeros((), jnp.int32), mismatch=f32(0.0), q=f32(0.0),
                                 alpha=f32(1.0), budget=f32(kl_budget), skipped=jnp.zeros((), jnp.int32))
 
     def update(updates: Any, state: PredictedKLState, params: Any = None, *, kl_probe=None, kl_prediction=None,
@@ -181,17 +184,16 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
                                  "kl_probe=fn(updates) as a keyword extra argument")
             kl_prediction = kl_probe(updates)
         q_sum, count = kl_prediction
-        q = jnp.asarray(q_sum, jnp.float32) / jnp.maximum(jnp.asarray(count, jnp.float32), 1.0)
+        count = jnp.asarray(count, jnp.float32)
+        q = jnp.asarray(q_sum, jnp.float32) / jnp.maximum(count, 1.0)
         budget = kl_budget_schedule(state.count, kl_budget, kl_budget_final, schedule_steps)
         mismatch = state.mismatch
         if rollout_mismatch is not None:
             gap = jnp.maximum(jnp.asarray(rollout_mismatch, jnp.float32), 0.0)
-            mismatch = jnp.where(jnp.isnan(mismatch), gap,
-                                 mismatch_weight * gap + (1 - mismatch_weight) * mismatch)
+            mismatch = (1 - mismatch_weight) * mismatch + mismatch_weight * gap
         if subtract_mismatch:
-            known = jnp.where(jnp.isnan(mismatch), 0.0, mismatch)
-            budget = jnp.maximum(budget - known, mismatch_floor * budget)
-        bad = ~jnp.isfinite(q) | (q < 0)
+            budget = jnp.maximum(budget - mismatch, mismatch_floor * budget)
+        bad = ~jnp.isfinite(q) | (q < 0) | (count <= 0)
         safe_q = jnp.where(bad | (q <= 0), 1.0, q)
         alpha = jnp.where(q > 0, jnp.minimum(alpha_max, jnp.sqrt(budget / safe_q)), 1.0)
         alpha = jnp.where(bad, 0.0, alpha).astype(jnp.float32)
@@ -200,6 +202,31 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
         return _scale_floats(updates, alpha), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def hold_if_skipped(updates: Any, old_state: Any, new_state: Any) -> tuple[Any, Any, jax.Array | None]:
+    """(updates, state, refused) after an update that `scale_by_predicted_kl` may have refused.
+
+    When a controller in `new_state` counted a refusal (its `skipped` grew), the updates become exact zeros
+    (also those of transforms outside the controller, e.g. non-target AdamW) and the whole state is `old_state`
+    again — RowAdam's moments, step counters, the controller's own count and mismatch EMA — except the
+    controller's record of the refusal (skipped, and the refused step's q, alpha, budget). Without a controller
+    in the state everything is returned unchanged with refused = None. Hold the params, and any projection step
+    kept outside the optax state, where `refused`.
+    """
+    is_kl = lambda x: isinstance(x, PredictedKLState)
+    new_kl = [s for s in jax.tree.leaves(new_state, is_leaf=is_kl) if is_kl(s)]
+    if not new_kl:
+        return updates, new_state, None
+    old_kl = [s for s in jax.tree.leaves(old_state, is_leaf=is_kl) if is_kl(s)]
+    refused = jnp.any(jnp.stack([n.skipped > o.skipped for n, o in zip(new_kl, old_kl, strict=True)]))
+    held = jax.tree.map(lambda o, n: jnp.where(refused, o, n), old_state, new_state)
+
+    def keep_record(h: Any, n: Any) -> Any:
+        return h._replace(skipped=n.skipped, q=n.q, alpha=n.alpha, budget=n.budget) if is_kl(n) else h
+
+    state = jax.tree.map(keep_record, held, new_state, is_leaf=is_kl)
+    return _scale_floats(updates, jnp.where(refused, 0.0, 1.0)), state, refused
 
 
 def lowrank_factors(updates: Any) -> dict[str, jax.Array]:

@@ -28,6 +28,9 @@ KLEstimator = Literal["k1", "k2", "k3"]
 Aggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+# The aux-metric key under which a loss function reports its normaliser (`aggregation_denominator`): a
+# microbatched train step sums it over microbatches and normalises once (logra_jax.train_step.accumulate_grads).
+LOSS_DENOMINATOR = "loss_denominator"
 
 
 def _per_token(advantages: jax.Array, like: jax.Array) -> jax.Array:
@@ -150,23 +153,41 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str = "token_mean", *
       >>> aggregate(x, m, "token_mean"), aggregate(x, m, "seq_mean"), aggregate(x, m, "seq_mean_token_sum_norm")
       (Array(3., dtype=float32), Array(3.5, dtype=float32), Array(2.25, dtype=float32))
     """
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"aggregate: unknown mode {mode!r}; known: {AGGREGATIONS}")
     if per_token.ndim != 2 or mask.shape != per_token.shape:
         raise ValueError(f"aggregate: need per_token and mask [B, T] of one shape, got {per_token.shape}, {mask.shape}")
-    m = mask.astype(jnp.float32)
+    denominator = aggregation_denominator(mask, mode, max_len=max_len)
     values = jnp.where(mask.astype(bool), per_token.astype(jnp.float32), 0.0)
-    if mode == "token_mean":
-        return values.sum() / jnp.maximum(m.sum(), 1.0)
     if mode == "seq_mean":
-        counts = m.sum(axis=1)
-        per_seq = values.sum(axis=1) / jnp.maximum(counts, 1.0)
-        return per_seq.sum() / jnp.maximum((counts > 0).sum(), 1)
+        values = values / jnp.maximum(mask.astype(jnp.float32).sum(axis=1, keepdims=True), 1.0)
+    return values.sum() / jnp.maximum(denominator, 1.0)
+
+
+def aggregation_denominator(mask: jax.Array, mode: str = "token_mean", *, max_len: int | None = None) -> jax.Array:
+    """The normaliser of `aggregate` (float32 scalar): Σ m (token_mean), the number of sequences with a response
+    token (seq_mean) or B·T_max (seq_mean_token_sum_norm); `aggregate` = (its numerator) / max(denominator, 1).
+
+    It depends only on the mask, and it adds over any split of the rows: a step over microbatches normalises once
+    by the sum of their denominators (the whole batch's), so the split does not change the loss or its gradient.
+
+    Example:
+      >>> m = jnp.array([[1, 1], [1, 0], [0, 0]])
+      >>> [float(aggregation_denominator(m, mode)) for mode in AGGREGATIONS]
+      [3.0, 2.0, 6.0]
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregate: unknown mode {mode!r}; known: {AGGREGATIONS}")
+    if mask.ndim != 2:
+        raise ValueError(f"aggregate: need a mask [B, T], got shape {mask.shape}")
+    m = mask.astype(jnp.float32)
+    if mode == "token_mean":
+        return m.sum()
+    if mode == "seq_mean":
+        return (m.sum(axis=1) > 0).sum().astype(jnp.float32)
     if max_len is None:
-        max_len = per_token.shape[1]
+        max_len = mask.shape[1]
     if max_len < 1:
         raise ValueError(f"aggregate: max_len must be >= 1, got {max_len}")
-    return values.sum() / (per_token.shape[0] * max_len)
+    return jnp.float32(mask.shape[0] * max_len)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

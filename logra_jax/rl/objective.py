@@ -14,10 +14,11 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from logra_jax.rl.logprobs import token_logprobs
-from logra_jax.rl.losses import LossConfig, aggregate, policy_loss
+from logra_jax.rl.losses import LOSS_DENOMINATOR, LossConfig, aggregate, aggregation_denominator, policy_loss
 
 
 def rl_batch_shapes(rows: int, prompt_length: int, new_tokens: int, *, with_ref: bool = False
@@ -41,6 +42,34 @@ def probe_batch_shapes(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct
             "kl_mask": sds((rows, length), jnp.bool_)}
 
 
+def probe_rows(prompts: int, num_samples: int, count: int, seed: int | tuple[int, ...]) -> np.ndarray:
+    """Rows of a rollout (row b·n + j = sample j of prompt b) for the predicted-KL probe: `count` responses
+    spread over min(count, prompts) distinct prompts (LOGRA.md §5: several samples of one prompt are not a
+    representative probe), deterministic given `seed` (an int or a tuple such as (run seed, step)).
+
+    The prompts are evenly spaced over the batch from a seeded offset; each gets a seeded sample. With count >
+    prompts, further rounds take other samples of the same prompts, every prompt once per round.
+
+    Example:
+      >>> rows = probe_rows(prompts=16, num_samples=16, count=8, seed=3)
+      >>> len(set(rows // 16))
+      8
+    """
+    for name, value in (("prompts", prompts), ("num_samples", num_samples), ("count", count)):
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"probe_rows: {name} must be an integer >= 1, got {value!r}")
+    if count > prompts * num_samples:
+        raise ValueError(f"probe_rows: count={count} exceeds the rollout's {prompts} × {num_samples} responses")
+    rng = np.random.default_rng(seed)
+    start = int(rng.integers(prompts))
+    spread = min(count, prompts)
+    order = [(start + (i * prompts) // spread) % prompts for i in range(spread)]
+    order += [b for b in range(prompts) if b not in set(order)]  # the remaining prompts, for later rounds
+    samples = np.stack([rng.permutation(num_samples) for _ in range(prompts)])  # [prompts, n]
+    rows = [b * num_samples + int(samples[b, r]) for r in range(-(-count // prompts)) for b in order]
+    return np.asarray(rows[:count], np.int64)
+
+
 def response_logprobs(model: nnx.Module, tokens: jax.Array, attention_mask: jax.Array, prompt_length: int, *,
                       temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False):
     """log softmax(z/τ) of the response tokens tokens[:, P:] given everything before them: [N, G] (+ entropy)."""
@@ -55,6 +84,9 @@ def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: 
     Metrics (token means over responses): pg_loss, clip_fraction, tis_weight, kl (with a reference), entropy,
     and rollout_mismatch = mean over tokens of completed responses of (log μ − log π_θ) clipped at 0 — the
     measured rollout-vs-trainer gap that `scale_by_predicted_kl` can subtract from its budget.
+    The aggregation's normaliser is returned as train_step.LOSS_DENOMINATOR, so a microbatched step normalises
+    once by the whole batch's (every microbatch, every data-parallel replica): the same loss and gradient
+    whatever the number of microbatches.
     """
     if prompt_length < 1:
         raise ValueError(f"make_policy_loss_fn: prompt_length must be >= 1, got {prompt_length}")
@@ -72,6 +104,7 @@ def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: 
         metrics = dict(metrics)
         metrics["entropy"] = jax.lax.stop_gradient(aggregate(entropy, mask))
         metrics["rollout_mismatch"] = jnp.maximum(gap, 0.0)
+        metrics[LOSS_DENOMINATOR] = aggregation_denominator(mask, config.aggregation, max_len=config.max_len)
         return loss, metrics
 
     return loss_fn
