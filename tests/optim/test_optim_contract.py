@@ -18,12 +18,14 @@ import pytest
 from logra_jax.optim import (
     add_decayed_weights_lowrank,
     apply_updates,
+    is_lowrank,
     logra,
     scale_by_row_adam,
     scale_by_sketch,
     scale_by_update_ratio,
     scale_lowrank,
 )
+from logra_jax.optim.predicted_kl import scale_by_predicted_kl
 
 RANK = 4
 
@@ -34,6 +36,7 @@ class Case:
     kwargs: dict
     static_args: tuple = ()
     after_sketch: bool = True
+    extra: dict = dataclasses.field(default_factory=dict)  # extra args the transform needs at every update
 
 
 CASES = {
@@ -47,6 +50,14 @@ CASES = {
     "logra_paper": Case(logra, dict(rank=RANK, update_ratio=1e-2), ("rank", "base_seed"), after_sketch=False),
     "logra_nemo": Case(logra, dict(rank=RANK, variant="nemo", lr=0.1, weight_decay=0.01), ("rank", "base_seed"),
                        after_sketch=False),
+    # scale_by_predicted_kl checks its hyperparameters as Python numbers, so none can be injected as an array.
+    "predicted_kl": Case(scale_by_predicted_kl, dict(kl_budget=1e-4, kl_budget_final=1e-5, schedule_steps=10),
+                         ("kl_budget", "kl_budget_final", "schedule_steps", "alpha_max", "subtract_mismatch",
+                          "mismatch_weight", "mismatch_floor"),
+                         extra=dict(kl_prediction=(jnp.float32(4e-4), jnp.float32(1.0)))),
+    "logra_kl": Case(logra, dict(rank=RANK, update_ratio=1e-2, kl_control=dict(kl_budget=1e-4)),
+                     ("rank", "base_seed", "kl_control"), after_sketch=False,
+                     extra=dict(kl_prediction=(jnp.float32(4e-4), jnp.float32(1.0)))),
 }
 
 
@@ -84,7 +95,7 @@ def test_contract(name):
     case = CASES[name]
     params = make_params()
     g1, g2 = make_grads(1), make_grads(2)
-    extra = dict(unknown_extra_arg=jnp.ones(3))
+    extra = dict(unknown_extra_arg=jnp.ones(3), **case.extra)
 
     # Inside optax.chain after clip_by_global_norm, with an unknown extra argument; the state keeps its dtypes,
     # shapes and shardings (eager here; the library's inner jits make eager use cheap).
@@ -98,8 +109,8 @@ def test_contract(name):
     # ... and equals the bare pipeline on gradients clipped by hand (no extra args).
     plain = pipeline(case)
     by_hand = lambda g: jax.tree.map(lambda x: x * max_norm / optax.tree.norm(g), g)
-    v1, st = plain.update(by_hand(g1), plain.init(params), params)
-    v2, st = plain.update(by_hand(g2), st, params)
+    v1, st = plain.update(by_hand(g1), plain.init(params), params, **case.extra)
+    v2, st = plain.update(by_hand(g2), st, params, **case.extra)
     assert_trees_close((v1, v2, st), (u1, u2, s2[-1]))
 
     # Jitted, the transform alone: no recompilation on the second call, state avals and shardings unchanged.
@@ -122,9 +133,11 @@ def test_contract(name):
     injected = optax.chain(optax.clip_by_global_norm(max_norm),
                            *([scale_by_sketch(RANK, 3)] if case.after_sketch else []),
                            optax.inject_hyperparams(case.factory, static_args=case.static_args)(**case.kwargs))
-    w1, st = injected.update(g1, injected.init(params), params)
-    w2, st = injected.update(g2, st, params)
+    w1, st = injected.update(g1, injected.init(params), params, **case.extra)
+    w2, st = injected.update(g2, st, params, **case.extra)
     assert_trees_close((w1, w2), (u1, u2))
+    # Every update leaf was compared: the target's low-rank factor (and step), and the norm.
+    assert len(jax.tree.leaves(u1)) >= 3 and sum(map(is_lowrank, jax.tree.leaves(u1, is_leaf=is_lowrank))) == 1
 
 
 def test_inject_hyperparams_schedules_update_ratio():
@@ -134,9 +147,14 @@ def test_inject_hyperparams_schedules_update_ratio():
     u_small, _ = tx.update(grads, state, params)
     state.hyperparams["update_ratio"] = jnp.asarray(3e-2, jnp.float32)
     u_big, _ = tx.update(grads, state, params)
-    for a, b in zip(jax.tree.leaves(u_small), jax.tree.leaves(u_big)):
-        if a.dtype == jnp.float32 and a.ndim == 3:  # low-rank factors
-            np.testing.assert_allclose(b, 3 * a, rtol=1e-5, atol=1e-9)
+    small, big = (jax.tree.leaves(u, is_leaf=is_lowrank) for u in (u_small, u_big))
+    factors = [(a.factor, b.factor) for a, b in zip(small, big) if is_lowrank(a)]
+    assert len(factors) == 1 and len(small) == 2  # the one target of make_params, and the frozen norm
+    for a, b in factors:
+        np.testing.assert_allclose(b, 3 * a, rtol=1e-5, atol=1e-9)
+        assert float(jnp.abs(a).max()) > 0
+    frozen = [(a, b) for a, b in zip(small, big) if not is_lowrank(a)]
+    assert len(frozen) == 1 and all(not np.asarray(a).any() and not np.asarray(b).any() for a, b in frozen)
 
 
 def test_generic_transform_after_sketch_fails_loudly():
@@ -198,3 +216,51 @@ def test_optax_masked_leaves_masked_out_targets_dense():
     np.testing.assert_array_equal(new["k_proj"]["kernel"], params["k_proj"]["kernel"] + grads["k_proj"]["kernel"])
     delta = new["q_proj"]["kernel"] - params["q_proj"]["kernel"]
     np.testing.assert_allclose(jnp.linalg.norm(delta), 1e-2 * jnp.linalg.norm(params["q_proj"]["kernel"]), rtol=1e-4)
+
+
+def test_multisteps_around_logra_accumulates_then_steps_on_the_mean():
+    """optax.MultiSteps(logra): mini-steps emit zero updates; every k-th emits logra's update of the mean gradient."""
+    params, grads = make_params(), [make_grads(seed) for seed in range(4)]
+    tx = optax.MultiSteps(logra(rank=RANK, update_ratio=1e-2), every_k_schedule=2)
+    inner = logra(rank=RANK, update_ratio=1e-2)
+    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+    state, inner_state = tx.init(params), inner.init(params)
+    emitted = 0
+    for i, g in enumerate(grads):
+        updates, new_state = step(params, state, g)
+        assert avals(new_state) == avals(state)
+        state = new_state
+        new = apply_updates(params, updates)
+        if i % 2 == 0:
+            assert_trees_close(new, params, rtol=0)  # a mini-step: nothing moves
+            continue
+        mean = jax.tree.map(lambda a, b: (a + b) / 2, grads[i - 1], g)
+        expected, inner_state = inner.update(mean, inner_state, params)
+        assert_trees_close(new, apply_updates(params, expected))
+        kernel = lambda tree: tree["blocks"]["attn"]["q_proj"]["kernel"]
+        assert float(jnp.abs(kernel(new) - kernel(params)).max()) > 1e-4
+        params, emitted = new, emitted + 1
+    assert emitted == 2 and step._cache_size() == 1
+
+
+@pytest.mark.parametrize("variant", ["paper", "nemo"])
+def test_bf16_params_through_the_whole_chain(variant):
+    """bf16 params and gradients: the state keeps its dtypes, params stay bf16, and the step equals the float32
+    chain's on the same (exactly representable) values to bf16 precision."""
+    kwargs = dict(variant="nemo", lr=0.1, weight_decay=0.01) if variant == "nemo" else dict(update_ratio=1e-2)
+    tx = logra(rank=RANK, **kwargs)
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), p16)
+    step = jax.jit(lambda p, s, g: (lambda u, s2: (apply_updates(p, u), s2))(*tx.update(g, s, p)))
+    s16, s32 = tx.init(p16), tx.init(p32)
+    for seed in (1, 2):
+        g16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_grads(seed))
+        n16, t16 = step(p16, s16, g16)
+        n32, s32 = step(p32, s32, jax.tree.map(lambda x: x.astype(jnp.float32), g16))
+        assert avals(t16) == avals(s16)
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(n16))
+        k16, k0 = n16["blocks"]["attn"]["q_proj"]["kernel"], p16["blocks"]["attn"]["q_proj"]["kernel"]
+        assert float(jnp.abs(k16.astype(jnp.float32) - k0.astype(jnp.float32)).max()) > 0  # it moved in bf16
+        for a, b in zip(jax.tree.leaves(n16), jax.tree.leaves(n32)):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=2**-7, atol=2**-7)
+        p16, s16, p32 = n16, t16, jax.tree.map(lambda x: x.astype(jnp.float32), n16)
