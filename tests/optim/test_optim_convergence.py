@@ -54,4 +54,5 @@ def test_logra_reaches_adamw_loss():
     # A fixed rank-16 projection only reaches a 16-dimensional row space of the 64 input features: it must not.
     fixed = train(lograd(False), apply_updates, params, loss)
     assert fixed > 10 * adamw
-    assert ours >= floor * (1 - 1e-4)  # sanity: nobody beats least squares
+    # Both reach the least-squares optimum itself (measured: adamw 1.013 ×, logra 1.011 × the floor).
+    assert adamw <= 1.03 * floor and ours <= 1.03 * floor
