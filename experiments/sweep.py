@@ -10,6 +10,7 @@ Output: results.json, a markdown table (printed and returned) and curve plots (r
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import multiprocessing
 import os
@@ -38,8 +39,8 @@ def merged(base: Mapping[str, Any], overrides: Overrides) -> dict[str, Any]:
     return out
 
 
-def _run_one(config: dict[str, Any], workdir: str) -> dict[str, Any]:
-    """Worker process: one run, then its compile-only step memory; returns the run's summary."""
+def _run_one(config: dict[str, Any], workdir: str, step_memory: bool = True) -> dict[str, Any]:
+    """Worker process: one run, then (step_memory) its compile-only step memory; returns the run's summary."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from logra_jax.run_config import RunConfig
     from logra_jax.train import train_and_evaluate
@@ -47,7 +48,7 @@ def _run_one(config: dict[str, Any], workdir: str) -> dict[str, Any]:
     summary_path = Path(workdir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else train_and_evaluate(config,
                                                                                                    workdir)
-    summary["step_bytes"] = _step_bytes(RunConfig.from_dict(config), workdir)
+    summary["step_bytes"] = _step_bytes(RunConfig.from_dict(config), workdir) if step_memory else -1
     return summary
 
 
@@ -89,8 +90,10 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds: Sequence[int], out_dir: Path, *,
-              jobs: int = 2, title: str = "", log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every (variant, seed) and write out_dir/{results.json, curves.png}; returns the results."""
+              jobs: int = 2, title: str = "", log: Callable[[str], None] = print, step_memory: bool = True,
+              name: str = "results") -> dict[str, Any]:
+    """Run every (variant, seed) and write out_dir/{<name>.json, <name>_curves.png} (results.json and curves.png
+    by default); returns the results. step_memory=False skips each run's compile-only step bytes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = [(name, seed) for name in variants for seed in seeds]
     start = time.perf_counter()
@@ -98,24 +101,24 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         futures = {}
-        for name, seed in cells:
-            config = merged(base, variants[name])
+        for variant, seed in cells:
+            config = merged(base, variants[variant])
             config["train"] = {**config["train"], "seed": seed}
-            workdir = run_dir(out_dir, name, seed)
-            futures[pool.submit(_run_one, config, str(workdir))] = (name, seed)
+            workdir = run_dir(out_dir, variant, seed)
+            futures[pool.submit(_run_one, config, str(workdir), step_memory)] = (variant, seed)
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            name, seed = futures[future]
-            summaries[(name, seed)] = future.result()
+            variant, seed = futures[future]
+            summaries[(variant, seed)] = s = future.result()
             elapsed = time.perf_counter() - start
-            log(f"[{done}/{len(cells)}] {name} seed {seed}: held-out {summaries[(name, seed)]['accuracy_before']:.3f}"
-                f" → {summaries[(name, seed)]['accuracy_after']:.3f}  ({elapsed:.0f} s elapsed, ETA "
+            log(f"[{done}/{len(cells)}] {variant} seed {seed}: held-out {s['accuracy_before']:.3f}"
+                f" → {s['accuracy_after']:.3f}  ({elapsed:.0f} s elapsed, ETA "
                 f"{elapsed / done * (len(cells) - done):.0f} s)")
     results: dict[str, Any] = {"title": title, "seeds": list(seeds), "variants": {}}
-    for name, overrides in variants.items():
+    for variant, overrides in variants.items():
         per_seed = []
         for seed in seeds:
-            s = summaries[(name, seed)]
-            rows = run_metrics(out_dir, name, seed)
+            s = summaries[(variant, seed)]
+            rows = run_metrics(out_dir, variant, seed)
             steps = [r for r in rows if "loss" in r]
             tail = steps[-max(len(steps) // 5, 1):]
             per_seed.append({
@@ -127,13 +130,14 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
                 "step_bytes": s.get("step_bytes", -1), "seconds": s["seconds"],
                 "kl_realised_median": statistics.median(r["kl_realised"] for r in steps) if "kl_realised" in
                 steps[0] else None,
+                "largest_drop": largest_drop([r["eval_accuracy"] for r in rows if "eval_accuracy" in r]),
             })
         agg = {key: _mean_std([p[key] for p in per_seed]) for key in
                ("accuracy_before", "accuracy_after", "gain", "final_reward", "step_time_median")}
-        results["variants"][name] = {"overrides": {k: dict(v) for k, v in overrides.items()}, "seeds": per_seed,
+        results["variants"][variant] = {"overrides": {k: dict(v) for k, v in overrides.items()}, "seeds": per_seed,
                                      "mean_std": agg}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot_curves(out_dir, variants, seeds, title)
+    (out_dir / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot_curves(out_dir, variants, seeds, title, filename=f"{name.replace('results', 'curves')}.png")
     log(f"sweep done in {time.perf_counter() - start:.0f} s")
     return results
 
@@ -154,7 +158,13 @@ def table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequence[int], title: str) -> None:
+def largest_drop(evaluations: Sequence[float]) -> float:
+    """The largest fall of held-out accuracy between consecutive evaluations (0 when it never falls)."""
+    return max([0.0, *(a - b for a, b in itertools.pairwise(evaluations))])
+
+
+def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequence[int], title: str, *,
+                filename: str = "curves.png") -> None:
     """Reward (running mean over 10 steps) and held-out accuracy vs step; one colour per variant, mean of seeds
     as a thick line and each seed thin."""
     import matplotlib
@@ -186,7 +196,7 @@ def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequenc
         ax.legend(fontsize=8)
     fig.suptitle(f"{title} ({len(seeds)} seeds)")
     fig.tight_layout()
-    fig.savefig(out_dir / "curves.png", dpi=110)
+    fig.savefig(out_dir / filename, dpi=110)
 
 
 def cli(description: str, variants: Mapping[str, Overrides], *, default_seeds: Sequence[int], out_dir: Path,

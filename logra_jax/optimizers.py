@@ -1,10 +1,13 @@
 """The optimizer choices of a run, as optax transformations plus what the train step needs to drive them.
 
-  adamw      optax.adamw on every parameter (dense gradients; the memory baseline).
+  adamw      optax.adamw on every parameter (dense gradients; the memory baseline), or with targets_only on
+             exactly LoGRA's targets (the rest frozen: the like-for-like baseline).
   adafactor  optax.adafactor on every parameter (factored second moments).
   galore  optax.contrib GaLore (Adam inside, rank r) on each layer of the stacked target kernels, AdamW elsewhere.
   logra   logra_jax.optim.logra on the targets (dense-gradient or sketch-native), non-targets frozen or AdamW,
           optionally with predicted-KL step control.
+  row_adam   LoGRA's RowAdam and update ratio on the targets' dense gradients, no sketch (the ablation that
+             separates sketching from the row-wise preconditioner); non-targets frozen.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import optax
 from flax import nnx
 
 from logra_jax.optim import logra
-from logra_jax.optim.alias import TARGET_LABEL, resolve_round_bf16, target_labels
+from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, resolve_round_bf16, target_labels
+from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
 from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, find_targets, path_str
 from logra_jax.run_config import OptimizerSection
@@ -43,6 +47,13 @@ def _adamw(cfg: OptimizerSection) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
 
 
+def _targets_and_rest(target_tx: optax.GradientTransformation, other_tx: optax.GradientTransformation
+                      ) -> optax.GradientTransformation:
+    """`target_tx` on LoGRA's default targets, `other_tx` on every other parameter (optax.partition)."""
+    return optax.partition({TARGET_LABEL: target_tx, NON_TARGET_LABEL: other_tx},
+                           lambda tree: target_labels(tree, DEFAULT_TARGET_RULES))
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerPlan:
     """tx plus how the train step must run it (see logra_jax.train_step.make_train_step)."""
@@ -66,6 +77,12 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
     """The transformation and step settings for `cfg`; attaches sketch probes to `model` when LoGRA needs them
     (sketch-native mode, or predicted-KL probing which injects tangents through the same hooks)."""
     params = nnx.state(model, nnx.Param)
+    if cfg.name in ("row_adam", "adamw") and (cfg.name == "row_adam" or cfg.targets_only):
+        targets = find_targets(params, DEFAULT_TARGET_RULES)  # no target is an error naming the rules
+        tx = _adamw(cfg) if cfg.name == "adamw" else optax.chain(
+            scale_by_dense_row_adam(cfg.update_ratio, b2=cfg.b2, eps=cfg.eps), optax.scale(-1.0))
+        return OptimizerPlan(_targets_and_rest(tx, optax.set_to_zero()),
+                             trainable=lambda path, _: ".".join(map(str, path)) in targets)
     if cfg.name == "adamw":
         return OptimizerPlan(_adamw(cfg))
     if cfg.name == "adafactor":
@@ -75,12 +92,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                                                          base_optimizer=optax.scale_by_adam()))
         galore = optax.chain(galore, optax.add_decayed_weights(cfg.weight_decay), optax.scale(-cfg.learning_rate))
         find_targets(params, DEFAULT_TARGET_RULES)  # no target is an error naming the rules
-        galore_labels = lambda p: jax.tree.map(lambda label: "galore" if label == TARGET_LABEL else "other",
-                                               target_labels(p, DEFAULT_TARGET_RULES))
-        tx = optax.partition({"galore": galore, "other": optax.adamw(cfg.learning_rate,
-                                                                      weight_decay=cfg.weight_decay)},
-                             galore_labels)
-        return OptimizerPlan(tx)
+        return OptimizerPlan(_targets_and_rest(galore, optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)))
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
     round_bf16 = resolve_round_bf16(cfg.round_bf16, cfg.variant)
     kl = None

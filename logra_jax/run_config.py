@@ -114,7 +114,8 @@ class SFTSection:
     """Optional supervised warm start: steps (0 = off), batch size and AdamW learning rate; the demonstrations
     are `train_size` easier arithmetic problems (difficulty, operations, carries as in rl.tasks.TaskSpec) plus
     `task_examples` problems of the RL task itself (generated tasks only). Held-out problems are never among
-    them (see builders.build_tasks)."""
+    them (see builders.build_tasks). cache_dir: when set, the warm-start weights are stored there keyed by
+    everything they depend on (model, task, SFT settings, seed) and reused by later runs with the same key."""
 
     steps: int = 0
     batch_size: int = 32
@@ -124,6 +125,7 @@ class SFTSection:
     train_size: int = 4096
     carries: str = "any"
     task_examples: int = 0
+    cache_dir: str = ""
 
     def validate(self) -> None:
         _check_range("sft", "steps", self.steps, 0)
@@ -189,8 +191,9 @@ class AlgorithmSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    """name: "logra" | "adamw" | "galore" | "adafactor". AdamW/GaLore use learning_rate, weight_decay and grad_clip
-    (0 = off), Adafactor learning_rate;
+    """name: "logra" | "adamw" | "galore" | "adafactor" | "row_adam". AdamW/GaLore use learning_rate, weight_decay
+    and grad_clip (0 = off), Adafactor learning_rate; AdamW with targets_only trains exactly LoGRA's targets (the
+    rest frozen); row_adam is LoGRA's RowAdam and update_ratio on the targets' dense gradients (no sketch; b2, eps);
     GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd), learning_rate (nemo), refresh,
     distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
     nemo), sketch_native, non_targets ("frozen" | "adamw"), and the
@@ -199,6 +202,7 @@ class OptimizerSection:
     projection, RowAdam and the merge (interpret: run Pallas in interpret mode, for CPU tests)."""
 
     name: str = "logra"
+    targets_only: bool = False
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 0.0
@@ -224,7 +228,9 @@ class OptimizerSection:
     interpret: bool = False
 
     def validate(self) -> None:
-        _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore", "adafactor"))
+        _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore", "adafactor", "row_adam"))
+        if self.targets_only and self.name != "adamw":
+            _fail("optimizer.targets_only", self.targets_only, "is an AdamW option (optimizer.name='adamw')")
         _check_choice("optimizer", "implementation", self.implementation, ("xla", "pallas"))
         _check_choice("optimizer", "variant", self.variant, ("paper", "nemo", "sgd"))
         _check_choice("optimizer", "distribution", self.distribution, ("rademacher", "gaussian"))

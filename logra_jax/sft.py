@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +52,47 @@ def supervised_warm_start(model: nnx.Module, tokenizer: TextTokenizer, fmt: Prom
             on_step(i, metrics)
     nnx.update(model, state.params)
     return metrics
+
+
+def cached_warm_start(model: nnx.Module, warm_start: Callable[[], dict[str, float]], cache_dir: str | Path,
+                      key: Mapping[str, Any]) -> tuple[dict[str, float], bool]:
+    """Run `warm_start()` (which trains `model` in place) once per `key` and reuse its weights afterwards.
+
+    The weights land in cache_dir/sft-<digest of key>.npz (written to a temporary file and renamed, so a crash never
+    leaves a partial file); a later call with an equal key loads them into `model` bit for bit instead of
+    training. The key must hold everything the warm start depends on (model, SFT and task settings, seed, length).
+
+    Returns:
+      (the warm start's metrics, True when they came from the cache).
+
+    Raises:
+      ValueError: a cached file whose parameters do not match the model (names the file and the parameter).
+    """
+    blob = json.dumps(key, sort_keys=True, default=str).encode()
+    path = Path(cache_dir) / f"sft-{hashlib.blake2b(blob, digest_size=10).hexdigest()}.npz"
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    names = [".".join(map(str, p)) for p, _ in flat]
+    if path.exists():
+        with np.load(path) as data:
+            missing = [n for n in names if n not in data.files]
+            if missing or json.loads(str(data["__key__"])) != json.loads(blob):
+                raise ValueError(f"SFT cache {path}: does not match this run (missing {missing[:3]} or another key)")
+            loaded = []
+            for name, (keys, variable) in zip(names, flat, strict=True):
+                value = data[name]
+                if value.shape != variable.get_value().shape:
+                    raise ValueError(f"SFT cache {path}: parameter {name} has shape {value.shape}, the model's is "
+                                     f"{variable.get_value().shape}")
+                loaded.append((keys, variable.replace(jnp.asarray(value, variable.get_value().dtype))))
+            metrics = json.loads(str(data["__metrics__"]))
+        nnx.update(model, nnx.from_flat_state(loaded))
+        return metrics, True
+    metrics = warm_start()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {name: np.asarray(v.get_value()) for name, (_, v) in
+              zip(names, nnx.to_flat_state(nnx.state(model, nnx.Param)), strict=True)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, __key__=np.asarray(blob.decode()), __metrics__=np.asarray(json.dumps(metrics)), **arrays)
+    os.replace(tmp, path)
+    return metrics, False

@@ -47,7 +47,7 @@ from logra_jax.rl.rollout_worker import rollout_engine
 from logra_jax.rl.sampler import Sampler, SamplingConfig
 from logra_jax.rl.sync import PolicySync
 from logra_jax.run_config import RunConfig
-from logra_jax.sft import supervised_warm_start
+from logra_jax.sft import cached_warm_start, supervised_warm_start
 from logra_jax.sharding import (
     MeshConfig,
     abstract_sharded,
@@ -139,8 +139,17 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     if resume_step is None and run.sft.steps:
         log(f"SFT warm start: {run.sft.steps} steps on {len(tasks.sft_problems)} easier problems")
         sft_len = prompt_len + run.rollout.max_new_tokens
-        sft = supervised_warm_start(model, tokenizer, fmt, tasks.sft_problems, run.sft, sft_len,
-                                    seed=run.train.seed)
+        warm_start = lambda: supervised_warm_start(model, tokenizer, fmt, tasks.sft_problems, run.sft, sft_len,
+                                                   seed=run.train.seed)
+        if run.sft.cache_dir:  # the warm start depends only on these: compute it once, start every run from it
+            settings = run.to_dict()
+            key = {"model": settings["model"], "task": settings["task"], "seed": run.train.seed, "length": sft_len,
+                   "sft": {k: v for k, v in settings["sft"].items() if k != "cache_dir"}}
+            sft, cached = cached_warm_start(model, warm_start, run.sft.cache_dir, key)
+            if cached:
+                log(f"SFT weights loaded from the cache in {run.sft.cache_dir}")
+        else:
+            sft = warm_start()
         log(f"SFT done: loss {sft['sft_loss']:.4f}")
 
     plan = build_optimizer(run.optimizer, model, temperature=run.rollout.temperature)
