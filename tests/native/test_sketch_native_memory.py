@@ -92,14 +92,22 @@ def test_dense_gradient_sketch_temporaries_do_not_grow_with_layers():
 
 def test_rl_step_memory_includes_the_kl_probe():
     """The loop's own RL step, compile-only, with and without predicted-KL control: the controlled step reads the
-    probe responses too, so its argument bytes hold at least the probe's tokens and masks."""
+    probe responses too, so its argument bytes hold at least the probe's tokens and masks; and its temporaries
+    grow with the probe by two passes over it that each hold two [seq, V] fp32 logit arrays per row: the JVP
+    (logits and their tangents) and the realised KL (logits before and after the update). Measured for 14 extra
+    rows: 1.24 MB against that floor of 0.92 MB; with the JVP replaced by a constant prediction, 0.71 MB (fails)."""
     from logra_jax.memory_analysis import rl_step_memory
     from logra_jax.run_config import OptimizerSection
 
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
-    kw = dict(seq_len=32, prompt_len=8, rows_per_device=4)
-    plain = rl_step_memory(preset("tiny"), OptimizerSection(kl_control=False), mesh, **kw)
-    probed = rl_step_memory(preset("tiny"), OptimizerSection(kl_control=True, probe_responses=2), mesh, **kw)
-    for mem in (plain, probed):
+    seq, config = 32, preset("tiny")
+    kw = dict(seq_len=seq, prompt_len=8, rows_per_device=4)
+    plain = rl_step_memory(config, OptimizerSection(kl_control=False), mesh, **kw)
+    probed = {n: rl_step_memory(config, OptimizerSection(kl_control=True, probe_responses=n), mesh, **kw)
+              for n in (2, 16)}
+    for mem in (plain, *probed.values()):
         assert mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"] > 0
-    assert probed["argument"] >= plain["argument"] + 2 * 32 * (4 + 1 + 1)
+    assert probed[2]["argument"] >= plain["argument"] + 2 * seq * (4 + 1 + 1)
+    per_row = 4 * seq * config.vocab_size * 4  # JVP logits + tangents, realised-KL logits before + after (bytes)
+    assert probed[16]["temp"] - probed[2]["temp"] >= (16 - 2) * per_row
+    assert probed[2]["temp"] > plain["temp"]
