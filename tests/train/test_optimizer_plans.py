@@ -1,0 +1,48 @@
+"""The like-for-like contenders as the loop builds them: AdamW on exactly LoGRA's targets, and dense RowAdam."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from logra_jax.models.config import preset
+from logra_jax.models.decoder import init_model
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, find_targets, path_str
+from logra_jax.optimizers import build_optimizer
+from logra_jax.run_config import OptimizerSection, RunConfig
+from logra_jax.train_step import TrainState, make_train_step, next_token_loss
+
+
+def _one_step(section):
+    model = init_model(preset("tiny"))
+    plan = build_optimizer(section, model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    step = make_train_step(graphdef, next_token_loss, plan.tx, mode=plan.mode, trainable=plan.trainable)
+    toks = jax.random.randint(jax.random.key(0), (4, 10), 1, 128)
+    batch = {"tokens": toks, "attention_mask": jnp.ones_like(toks, bool), "loss_mask": jnp.ones_like(toks, bool)}
+    new, _ = jax.jit(step)(TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32)), rest, batch)
+    before = {path_str(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    after = {path_str(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(new.params)}
+    targets = find_targets(params, DEFAULT_TARGET_RULES)
+    return before, after, targets
+
+
+@pytest.mark.parametrize("section", [OptimizerSection(name="adamw", targets_only=True, learning_rate=1e-3),
+                                     OptimizerSection(name="row_adam", update_ratio=1e-2)],
+                         ids=["adamw_targets_only", "row_adam"])
+def test_contender_trains_exactly_the_targets(section):
+    before, after, targets = _one_step(section)
+    assert len(targets) == 7
+    for path in before:
+        moved = not np.array_equal(before[path], after[path])
+        assert moved == (path in targets), path
+    if section.name == "row_adam":  # the whole step has norm update_ratio relative to the targets' weights
+        delta = np.sqrt(sum(np.sum((after[p] - before[p]) ** 2) for p in targets))
+        norm = np.sqrt(sum(np.sum(before[p] ** 2) for p in targets))
+        assert abs(delta / norm / 1e-2 - 1) < 1e-4
+
+
+def test_targets_only_is_an_adamw_option():
+    with pytest.raises(ValueError, match="config.optimizer.targets_only = True"):
+        RunConfig.from_dict({"optimizer": {"name": "logra", "targets_only": True}})
