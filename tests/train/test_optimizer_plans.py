@@ -44,5 +44,5 @@ def test_contender_trains_exactly_the_targets(section):
 
 
 def test_targets_only_is_an_adamw_option():
-    with pytest.raises(ValueError, match="config.optimizer.targets_only = True"):
+    with pytest.raises(ValueError, match=r"config\.optimizer\.targets_only = True"):
         RunConfig.from_dict({"optimizer": {"name": "logra", "targets_only": True}})
