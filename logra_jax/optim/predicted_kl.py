@@ -159,14 +159,17 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
       >>> round(float(state.alpha), 3)
       0.5
     """
+    # Arrays (from optax.inject_hyperparams, possibly traced) cannot be checked here; Python numbers are.
+    number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)
     for name, value in (("kl_budget", kl_budget), ("kl_budget_final", kl_budget_final), ("alpha_max", alpha_max)):
-        if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        if not (isinstance(value, jax.Array) or (number(value) and value > 0 and math.isfinite(value))):
             raise ValueError(f"scale_by_predicted_kl: {name} must be a finite number > 0, got {value!r}")
     if not isinstance(schedule_steps, int) or schedule_steps < 1:
-        raise ValueError(f"scale_by_predicted_kl: schedule_steps must be an integer >= 1, got {schedule_steps!r}")
-    if not 0 < mismatch_weight <= 1:
+        raise ValueError(f"scale_by_predicted_kl: schedule_steps must be a Python integer >= 1 (static with "
+                         f"optax.inject_hyperparams), got {schedule_steps!r}")
+    if number(mismatch_weight) and not 0 < mismatch_weight <= 1:
         raise ValueError(f"scale_by_predicted_kl: mismatch_weight must be in (0, 1], got {mismatch_weight!r}")
-    if not 0 <= mismatch_floor <= 1:
+    if number(mismatch_floor) and not 0 <= mismatch_floor <= 1:
         raise ValueError(f"scale_by_predicted_kl: mismatch_floor must be in [0, 1], got {mismatch_floor!r}")
 
     def init(params: Any) -> PredictedKLState:
