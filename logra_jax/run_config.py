@@ -162,10 +162,13 @@ class RolloutSection:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSection:
-    """Advantage estimator (registry name) and policy loss; reward values (paper: 1 / −0.01)."""
+    """Advantage estimator (registry name) and policy loss; reward values (paper: 1 / −0.01). whiten: how
+    reinforce++ whitens its advantages, "response" (every response counts once) or "token" (verl's: weighted
+    by response length)."""
 
     estimator: str = "grpo"
     baseline_momentum: float = 0.1
+    whiten: str = "response"
     policy: str = "ppo"
     eps_low: float = 0.2
     eps_high: float = 0.28
@@ -179,6 +182,9 @@ class AlgorithmSection:
 
     def validate(self) -> None:
         _check_choice("algorithm", "estimator", self.estimator, tuple(ESTIMATORS))
+        _check_choice("algorithm", "whiten", self.whiten, ("response", "token"))
+        if self.whiten != "response" and self.estimator != "reinforce++":
+            _fail("algorithm.whiten", self.whiten, "is a reinforce++ option (algorithm.estimator='reinforce++')")
         _check_choice("algorithm", "policy", self.policy, ("ppo", "reinforce"))
         _check_choice("algorithm", "aggregation", self.aggregation,
                       ("token_mean", "seq_mean", "seq_mean_token_sum_norm"))

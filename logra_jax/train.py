@@ -162,9 +162,10 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     train_step = make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode, microbatches=run.train.microbatches,
                                  trainable=plan.trainable, targets=plan.targets, spec=plan.spec,
                                  round_bf16=plan.round_bf16, kl_probe=plan.kl_probe, return_updates=True)
+    estimator_options = {"reinforce": {"momentum": run.algorithm.baseline_momentum},
+                         "reinforce++": {"whiten": run.algorithm.whiten}}.get(run.algorithm.estimator, {})
     estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
-                                    **({"momentum": run.algorithm.baseline_momentum}
-                                       if run.algorithm.estimator == "reinforce" else {}))
+                                    **estimator_options)
     state = TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32))
     est_state = estimator.init()
     data_iter = iter(tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed))
@@ -235,7 +236,8 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
             rewards, reward_stats = score_responses([fmt.scoring_text(t) for t in texts],
                                                     [p for p in problems for _ in range(n)], config=reward_cfg,
                                                     reward_fn=reward_fn)
-            advantages, est_state = estimator.update(jnp.asarray(rewards), est_state)
+            lengths = {"lengths": jnp.asarray(rollout.lengths)} if run.algorithm.whiten == "token" else {}
+            advantages, est_state = estimator.update(jnp.asarray(rewards), est_state, **lengths)
             advantages = np.asarray(advantages)
             if run.algorithm.dynamic_sampling:
                 advantages = advantages * np.asarray(dynamic_sampling_mask(jnp.asarray(rewards), n))

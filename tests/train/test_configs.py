@@ -113,3 +113,29 @@ def test_round_bf16_is_none_a_bool_or_a_clear_error(monkeypatch):
         assert RunConfig.from_dict(flag_values.config).optimizer.round_bf16 is expected
     with pytest.raises(ValueError, match=r"config\.optimizer\.round_bf16 = 'yes': must be a bool"):
         RunConfig.from_dict({"optimizer": {"round_bf16": "yes"}})
+
+
+def test_token_weighted_whitening_reaches_the_loop(tmp_path, monkeypatch):
+    """algorithm.whiten='token' gives reinforce++ the rollout's response lengths; elsewhere it is an error."""
+    import logra_jax.rl.advantages as advantages
+    from logra_jax.train import train_and_evaluate
+
+    with pytest.raises(ValueError, match=r"config\.algorithm\.whiten = 'token'"):
+        RunConfig.from_dict({"algorithm": {"whiten": "token"}})
+    seen = []
+    real = advantages.reinforce_pp_advantages
+
+    def spy(rewards, **kwargs):
+        seen.append((kwargs["whiten"], kwargs["lengths"]))
+        return real(rewards, **kwargs)
+
+    monkeypatch.setattr(advantages, "reinforce_pp_advantages", spy)
+    config = {"model": {"preset": "tiny", "overrides": {"max_seq_len": 16}},
+              "task": {"kind": "arithmetic", "difficulty": 1, "train_size": 64, "eval_size": 4,
+                       "prompt_style": "compact"},
+              "algorithm": {"estimator": "reinforce++", "whiten": "token"},
+              "rollout": {"prompts_per_step": 2, "num_samples": 2, "max_new_tokens": 3},
+              "optimizer": {"name": "adamw"}, "train": {"steps": 1}}
+    train_and_evaluate(config, tmp_path)
+    (whiten, lengths), = seen
+    assert whiten == "token" and lengths.shape == (4,) and int(lengths.min()) >= 1
