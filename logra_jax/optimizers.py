@@ -120,4 +120,5 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
         attach_sketch_probes(model, spec)
     return OptimizerPlan(tx, mode="sketch_native" if cfg.sketch_native else "dense", trainable=trainable,
                          targets=targets, spec=spec, round_bf16=round_bf16,
-                         kl_probe=KLProbeConfig(temperature=temperature) if cfg.kl_control else None)
+                         kl_probe=KLProbeConfig(temperature=temperature, undo_above=cfg.kl_undo_above)
+                         if cfg.kl_control else None)

@@ -204,7 +204,8 @@ class OptimizerSection:
     distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
     nemo), sketch_native, non_targets ("frozen" | "adamw"), and the
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
-    subtract_mismatch, probe_responses per step). implementation: "xla" or "pallas" kernels for the sketched
+    subtract_mismatch, probe_responses per step, kl_undo_above: undo a step whose realised KL on the probe
+    exceeds this multiple of the budget; 0 = off). implementation: "xla" or "pallas" kernels for the sketched
     projection, RowAdam and the merge (interpret: run Pallas in interpret mode, for CPU tests)."""
 
     name: str = "logra"
@@ -230,6 +231,7 @@ class OptimizerSection:
     alpha_max: float = 3.0
     subtract_mismatch: bool = False
     probe_responses: int = 2
+    kl_undo_above: float = 0.0
     implementation: str = "xla"
     interpret: bool = False
 
@@ -256,6 +258,9 @@ class OptimizerSection:
         _check_range("optimizer", "kl_schedule_steps", self.kl_schedule_steps, 1)
         _check_range("optimizer", "alpha_max", self.alpha_max, 0.0, lo_open=True)
         _check_range("optimizer", "probe_responses", self.probe_responses, 1)
+        _check_range("optimizer", "kl_undo_above", self.kl_undo_above, 0.0)
+        if self.kl_undo_above and not self.kl_control:
+            _fail("optimizer.kl_undo_above", self.kl_undo_above, "needs optimizer.kl_control=True")
         if self.kl_control and self.name != "logra":
             _fail("optimizer.kl_control", self.kl_control, "predicted-KL control needs optimizer.name='logra'")
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
-from logra_jax.optim.predicted_kl import hold_if_skipped, make_kl_probe, realised_kl
+from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where, make_kl_probe, realised_kl
 from logra_jax.optim.sketch_native import SketchProbe, SketchSpec, sketching
 from logra_jax.optim.targets import Target, path_str
 from logra_jax.rl.losses import LOSS_DENOMINATOR
@@ -48,10 +48,13 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class KLProbeConfig:
-    """Predicted-KL probing inside the step: sampling temperature and positions per chunk."""
+    """Predicted-KL probing inside the step: sampling temperature and positions per chunk. undo_above: when > 0,
+    a step whose realised KL on the probe exceeds undo_above × the controller's budget is undone (params back,
+    no state advanced, reported as kl_undone = 1): the guard against a prediction that underestimates."""
 
     temperature: float = 1.0
     chunk: int = 256
+    undo_above: float = 0.0
 
 
 def densely_trained(mode: str, trainable: Trainable | None) -> Callable[[tuple[str, ...]], bool]:
@@ -240,6 +243,12 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             kl_sum, count = realised_kl(graphdef, state.params, new_params, rest, probe, kl_probe.temperature,
                                         kl_probe.chunk)
             metrics["kl_realised"] = kl_sum / jnp.maximum(count, 1.0)
+            if kl_probe.undo_above > 0:  # overshoot: undo the merge (W back) and hold every state
+                undone = metrics["kl_realised"] > kl_probe.undo_above * metrics["kl_budget"]
+                updates, opt_state = hold_where(undone, updates, state.opt_state, opt_state)
+                new_params = jax.tree.map(lambda old, new: jnp.where(undone, old, new), state.params, new_params)
+                new_step = jnp.where(undone, state.step, new_step)
+                metrics["kl_undone"] = undone.astype(jnp.float32)
         new_state = TrainState(new_params, opt_state, new_step)
         return (new_state, metrics, sync_view(updates)) if return_updates else (new_state, metrics)
 

@@ -207,29 +207,32 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def hold_if_skipped(updates: Any, old_state: Any, new_state: Any) -> tuple[Any, Any, jax.Array | None]:
-    """(updates, state, refused) after an update that `scale_by_predicted_kl` may have refused.
+def hold_where(hold: jax.Array, updates: Any, old_state: Any, new_state: Any) -> tuple[Any, Any]:
+    """(updates, state) with nothing advanced where `hold`: exact-zero updates (every transform's, also those
+    outside the controller, e.g. non-target AdamW) and `old_state` again — RowAdam's moments, step counters, the
+    controller's count and mismatch EMA — except the controller's record of what happened (skipped, and the
+    held step's q, alpha, budget). Hold the params, and any projection step kept outside the optax state, too."""
+    is_kl = lambda x: isinstance(x, PredictedKLState)
+    held = jax.tree.map(lambda o, n: jnp.where(hold, o, n), old_state, new_state)
 
-    When a controller in `new_state` counted a refusal (its `skipped` grew), the updates become exact zeros
-    (also those of transforms outside the controller, e.g. non-target AdamW) and the whole state is `old_state`
-    again — RowAdam's moments, step counters, the controller's own count and mismatch EMA — except the
-    controller's record of the refusal (skipped, and the refused step's q, alpha, budget). Without a controller
-    in the state everything is returned unchanged with refused = None. Hold the params, and any projection step
-    kept outside the optax state, where `refused`.
-    """
+    def keep_record(h: Any, n: Any) -> Any:
+        return h._replace(skipped=n.skipped, q=n.q, alpha=n.alpha, budget=n.budget) if is_kl(n) else h
+
+    state = jax.tree.map(keep_record, held, new_state, is_leaf=is_kl)
+    return _scale_floats(updates, jnp.where(hold, 0.0, 1.0)), state
+
+
+def hold_if_skipped(updates: Any, old_state: Any, new_state: Any) -> tuple[Any, Any, jax.Array | None]:
+    """(updates, state, refused) after an update that `scale_by_predicted_kl` may have refused: when a controller
+    in `new_state` counted a refusal (its `skipped` grew), `hold_where` holds the step. Without a controller in
+    the state everything is returned unchanged with refused = None."""
     is_kl = lambda x: isinstance(x, PredictedKLState)
     new_kl = [s for s in jax.tree.leaves(new_state, is_leaf=is_kl) if is_kl(s)]
     if not new_kl:
         return updates, new_state, None
     old_kl = [s for s in jax.tree.leaves(old_state, is_leaf=is_kl) if is_kl(s)]
     refused = jnp.any(jnp.stack([n.skipped > o.skipped for n, o in zip(new_kl, old_kl, strict=True)]))
-    held = jax.tree.map(lambda o, n: jnp.where(refused, o, n), old_state, new_state)
-
-    def keep_record(h: Any, n: Any) -> Any:
-        return h._replace(skipped=n.skipped, q=n.q, alpha=n.alpha, budget=n.budget) if is_kl(n) else h
-
-    state = jax.tree.map(keep_record, held, new_state, is_leaf=is_kl)
-    return _scale_floats(updates, jnp.where(refused, 0.0, 1.0)), state, refused
+    return *hold_where(refused, updates, old_state, new_state), refused
 
 
 def lowrank_factors(updates: Any) -> dict[str, jax.Array]:

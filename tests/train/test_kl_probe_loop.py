@@ -51,7 +51,7 @@ def test_probe_without_generated_tokens_is_an_error_naming_the_step():
                                   [[False, False, False, False, False], [False, False, True, False, False]])
 
 
-def _kl_controlled_step():
+def _kl_controlled_step(undo_above=0.0):
     """A LoGRA + KL-control train step on the tiny model whose probe predicts (q_sum, 1) per update."""
     model = init_model(preset("tiny"))
     spec = SketchSpec(rank=4)
@@ -59,7 +59,7 @@ def _kl_controlled_step():
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = logra(4, update_ratio=1e-2, kl_control={"kl_budget": 1e-3})
     step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native", targets=targets, spec=spec,
-                           round_bf16=True, kl_probe=KLProbeConfig())
+                           round_bf16=True, kl_probe=KLProbeConfig(undo_above=undo_above))
     state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
     toks = jax.random.randint(jax.random.key(0), (4, 8), 1, 128)
     batch = {"tokens": toks, "attention_mask": jnp.ones_like(toks, bool), "loss_mask": jnp.ones_like(toks, bool)}
@@ -96,6 +96,22 @@ def test_refused_step_advances_no_state(monkeypatch):
         assert compared >= 3
     state, metrics = step(state, rest, batch, probe=probe)  # accepted again
     assert float(metrics["kl_refused"]) == 0.0 and int(state.step) == 2 and float(metrics["kl_skipped"]) == 2
+
+
+@pytest.mark.parametrize("undo_above", [1e-9, 1e9])
+def test_overshooting_step_is_undone(monkeypatch, undo_above):
+    """A prediction that underestimates (q tiny → α at its cap) gives a realised KL far above the budget: with
+    kl undo on, the step is undone (params back bit for bit, no state advanced); with a loose bound it stays."""
+    monkeypatch.setattr(train_step_mod, "make_kl_probe",
+                        lambda *a, **k: lambda updates: (jnp.float32(1e-12), jnp.float32(1.0)))
+    step, state, rest, batch, probe = _kl_controlled_step(undo_above)
+    new, metrics = step(state, rest, batch, probe=probe)
+    assert float(metrics["kl_realised"]) > 0 and float(metrics["kl_alpha"]) == 3.0
+    undone = undo_above < 1
+    assert float(metrics["kl_undone"]) == float(undone) and int(new.step) == int(not undone)
+    same = [np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params), strict=True)]
+    assert all(same) if undone else not all(same)
 
 
 def test_three_consecutive_refusals_stop_the_run_naming_the_step(tmp_path, monkeypatch):
