@@ -9,6 +9,7 @@ the same RL steps on the same batches; only the optimizer differs):
   logra-fixed      LoGRA with a fixed update ratio (no KL control)
   logra-nt-adamw   LoGRA with a fixed update ratio and the non-targets trained by AdamW (lr 1e-4, not swept)
   rowadam-dense    LoGRA's RowAdam + update ratio on the targets' dense gradients (no sketch)
+  logra-kl-undo    logra-kl with steps undone when the realised KL on the probe exceeds 4× the budget (the remedy)
 Protocol: each contender's step size (AdamW/GaLore lr, LoGRA update ratio or KL budget) over 4 log-spaced values
 × 2 seeds ("sweep"); then each contender's best value (highest mean final held-out accuracy) with 5 seeds
 ("best"; seeds 0 and 1 are reused). Reported per seed: held-out before/after, the largest drop between
@@ -18,7 +19,8 @@ Tasks: "demo" (configs/demo.py: two-digit additions with carries after SFT on ad
 "three_digit" (three-digit additions with carries after SFT on three-digit additions without; shares no tuning
 with the demo).
 
-Run:  python -m experiments.parity.run --task demo [--phase sweep|best|all] [--jobs 2]
+Run:  python -m experiments.parity.run --task demo [--phase sweep|best|all] [--jobs 2] [--contenders ...]
+(finished runs are reused; a later invocation with other contenders adds them to the same tables)
 Writes experiments/parity/<task>/{sweep,best}.json, .md, _curves.png and sweep.png (held-out vs step size).
 """
 
@@ -30,7 +32,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from experiments.sweep import DEMO_CONFIG, load_config, merged, run_sweep
+from experiments.sweep import DEMO_CONFIG, load_config, merged, plot_curves, run_sweep
 
 HERE = Path(__file__).parent
 NO_KL = {"kl_control": False}
@@ -44,6 +46,9 @@ CONTENDERS: dict[str, tuple[str, tuple[float, ...], dict[str, Any]]] = {
     "logra-nt-adamw": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2),
                        {"non_targets": "adamw", "learning_rate": 1e-4, **NO_KL}),
     "rowadam-dense": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {"name": "row_adam", **NO_KL}),
+    # The remedy tried for LoGRA's drops: logra-kl whose steps are undone when the realised KL on the probe
+    # exceeds 4× the budget (optimizer.kl_undo_above).
+    "logra-kl-undo": ("kl_budget", (1.25e-3, 5e-3, 2e-2, 8e-2), {"kl_undo_above": 4.0}),
 }
 SWEEP_SEEDS, BEST_SEEDS = (0, 1), (0, 1, 2, 3, 4)
 
@@ -57,6 +62,16 @@ def task_config(task: str) -> dict[str, Any]:
     elif task != "demo":
         raise ValueError(f"--task must be 'demo' or 'three_digit', got {task!r}")
     return merged(base, {"sft": {"cache_dir": str(HERE / task / "runs" / "sft_cache")}})
+
+
+def merge_earlier(path: Path, results: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:
+    """`results` plus the variants of an earlier invocation's file that this one did not run (so contenders can
+    be run in separate invocations); rewrites `path`."""
+    if earlier is not None:
+        results = {**results, "variants": {**{k: v for k, v in earlier["variants"].items()
+                                              if k not in results["variants"]}, **results["variants"]}}
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return results
 
 
 def variant_name(contender: str, value: float) -> str:
@@ -143,10 +158,13 @@ def main() -> None:
     out = HERE / args.task
     base = task_config(args.task)
     title = f"learning parity, {args.task} task"
+    earlier_sweep = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else None
+    earlier_best = json.loads((out / "best.json").read_text()) if (out / "best.json").exists() else None
     if args.phase in ("sweep", "all"):
         variants = {variant_name(c, v): variant(c, v) for c in args.contenders for v in CONTENDERS[c][1]}
         sweep = run_sweep(base, variants, SWEEP_SEEDS, out, jobs=args.jobs, title=f"{title}: step-size sweep",
                           step_memory=False, name="sweep")
+        sweep = merge_earlier(out / "sweep.json", sweep, earlier_sweep)
         (out / "sweep.md").write_text(sweep_table(sweep) + "\n")
         plot_sweep(sweep, out / "sweep.png", f"{title}: final held-out accuracy vs step size (2 seeds)")
         print(sweep_table(sweep))
@@ -156,6 +174,9 @@ def main() -> None:
         variants = {variant_name(c, v): variant(c, v) for c, v in chosen.items() if c in args.contenders}
         best = run_sweep(base, variants, BEST_SEEDS, out, jobs=args.jobs, title=f"{title}: best settings",
                          name="best")
+        best = merge_earlier(out / "best.json", best, earlier_best)
+        plot_curves(out, {name: {} for name in best["variants"]}, BEST_SEEDS, f"{title}: best settings",
+                    filename="best_curves.png")
         (out / "best.md").write_text(best_table(best) + "\n")
         print(best_table(best))
 
