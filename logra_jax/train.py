@@ -219,7 +219,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
         writer.write(0, {"eval_accuracy": accuracy_before})
 
     base_key = jax.random.key(run.train.seed)
-    start = int(state.step)
+    start = resume_step or 0  # loop steps; state.step counts applied updates (a refused step applies none)
     progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL")
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
