@@ -220,8 +220,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
         if kl_probe is not None:
             if probe is None:
                 raise ValueError("train step built with kl_probe needs probe={'tokens', 'attention_mask', 'kl_mask'}")
-            extra["kl_probe"] = make_kl_probe(graphdef, state.params, rest, state.step, probe,
-                                              kl_probe.temperature, kl_probe.chunk)
+            extra["kl_probe"] = probe_fn = make_kl_probe(graphdef, state.params, rest, state.step, probe,
+                                                         kl_probe.temperature, kl_probe.chunk)
             if "rollout_mismatch" in metrics:  # measured by the RL objective; feeds the controller's EMA
                 extra.setdefault("rollout_mismatch", metrics["rollout_mismatch"])
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
@@ -241,7 +241,7 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             metrics["kl_predicted"] = metrics["kl_alpha"] ** 2 * metrics["kl_q"]
         if kl_probe is not None:
             kl_sum, count = realised_kl(graphdef, state.params, new_params, rest, probe, kl_probe.temperature,
-                                        kl_probe.chunk)
+                                        kl_probe.chunk, hidden_before=getattr(probe_fn, "hidden_before", None))
             metrics["kl_realised"] = kl_sum / jnp.maximum(count, 1.0)
             if kl_probe.undo_above > 0:  # overshoot: undo the merge (W back) and hold every state
                 undone = metrics["kl_realised"] > kl_probe.undo_above * metrics["kl_budget"]

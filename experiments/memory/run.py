@@ -11,11 +11,14 @@ Optimizers (one step of each, the training loop's own step and RL objective: REI
 tokens, log-probs in chunks; built by logra_jax.optimizers from run-config sections, measured by
 logra_jax.memory_analysis.rl_step_memory):
   adamw                 optax.adamw on every parameter (dense gradients, two dense moments).
+  adamw_targets         optax.adamw on exactly LoGRA's targets, everything else frozen (like for like).
   galore                optax.contrib GaLore (rank 256, Adam inside) on the attention/MLP kernels, one layer at a
                         time (GaLore projects 2-D matrices; our kernels are stacked [L, in, out]); AdamW elsewhere.
   adafactor             optax.adafactor on every parameter (factored second moments).
   logra_dense_grad      logra_jax.optim.logra in dense-gradient mode: targets only, everything else frozen.
   logra_sketch_native   sketch-native LoGRA (no dense gradient of any target).
+  logra_sketch_native_kl  the same with the predicted-KL controller, as the paper runs it: the step also holds 2
+                        probe sequences per device and runs the forward-mode JVP and the realised-KL forward.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import multiprocessing
 import time
@@ -45,7 +49,9 @@ MODELS = {  # results key → preset
     "Dense-27B": "dense-27b",
 }
 DEVICE_COUNTS = (4, 8)
-OPTIMIZERS = ("adamw", "galore", "adafactor", "logra_dense_grad", "logra_sketch_native")
+OPTIMIZERS = ("adamw", "adamw_targets", "galore", "adafactor", "logra_dense_grad", "logra_sketch_native",
+              "logra_sketch_native_kl")
+PROBES_PER_DEVICE = 2  # the paper's KL probe: 2 single-response sequences per data-parallel rank
 SEQ_LEN = 4096
 PROMPT_LEN = 512
 RANK = 256
@@ -55,10 +61,12 @@ GIB = 2.0 ** 30
 # The optimizers compared, as a run config would name them (logra_jax.optimizers builds them).
 OPTIMIZER_SECTIONS = {
     "adamw": OptimizerSection(name="adamw", learning_rate=1e-6),
+    "adamw_targets": OptimizerSection(name="adamw", learning_rate=1e-6, targets_only=True),
     "galore": OptimizerSection(name="galore", learning_rate=1e-6, rank=RANK),
     "adafactor": OptimizerSection(name="adafactor", learning_rate=1e-6),
     "logra_dense_grad": OptimizerSection(name="logra", rank=RANK, sketch_native=False),
     "logra_sketch_native": OptimizerSection(name="logra", rank=RANK, sketch_native=True),
+    "logra_sketch_native_kl": OptimizerSection(name="logra", rank=RANK, sketch_native=True, kl_control=True),
 }
 
 
@@ -66,7 +74,10 @@ def measure(model: str, devices: int, optimizer: str, fast: bool, tensor: int = 
     """One cell of the table (runs in a worker process): FSDP over `devices`, or fsdp × tensor."""
     start = time.perf_counter()
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=-1, tensor=tensor), jax.devices()[:devices])
-    mem = rl_step_memory(paper_numerics(MODELS[model], SEQ_LEN), OPTIMIZER_SECTIONS[optimizer], mesh,
+    section = OPTIMIZER_SECTIONS[optimizer]
+    if section.kl_control:
+        section = dataclasses.replace(section, probe_responses=PROBES_PER_DEVICE * devices)
+    mem = rl_step_memory(paper_numerics(MODELS[model], SEQ_LEN), section, mesh,
                          seq_len=SEQ_LEN, prompt_len=PROMPT_LEN, logprob_chunk=LOGPROB_CHUNK,
                          compiler_options=shd.FAST_CPU_COMPILE if fast else None)
     parts = " ".join(f"{name} {mem[name] / GIB:.2f}" for name in ("argument", "output", "temp", "alias"))

@@ -89,11 +89,15 @@ def predicted_kl_terms(hidden: jax.Array, dhidden: jax.Array, head: jax.Array, m
 
 
 def realised_kl_terms(hidden: jax.Array, new_hidden: jax.Array, head: jax.Array, mask: jax.Array,
-                      temperature: float = 1.0, chunk: int = 256) -> tuple[jax.Array, jax.Array]:
-    """(Σ_t KL_t, #t): exact KL between the policies before and after an update, chunked like the prediction."""
+                      temperature: float = 1.0, chunk: int = 256, *, new_head: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+    """(Σ_t KL_t, #t): exact KL between the policies before and after an update, chunked like the prediction
+    (`new_head`: the output projection after the update when it was trained too; default `head`)."""
+    head2 = head if new_head is None else new_head
+
     def kl_of(h, h2):
         z = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-        z2 = jnp.einsum("btd,dv->btv", h2, head.astype(h2.dtype), preferred_element_type=jnp.float32)
+        z2 = jnp.einsum("btd,dv->btv", h2, head2.astype(h2.dtype), preferred_element_type=jnp.float32)
         return exact_kl(z, z2, temperature)
 
     return _chunked_positions(kl_of, (hidden, new_hidden), mask, chunk)
@@ -246,6 +250,9 @@ def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, st
                   ) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
     """kl_probe(updates) -> (Σ q_t, #t) for `scale_by_predicted_kl`, by one forward-mode JVP of the model.
 
+    After a call, `kl_probe.hidden_before` holds the JVP's primal (the probe's final hidden states under
+    `params`) for `realised_kl`, which then needs no copy of the old weights once the update is merged in place.
+
     The tangent of every target's sketch probe is its update factor U ([*batch, d, r]); in tangent mode the
     hooked layers add (X Aᵀ)·Pᵀ, so the JVP injects δy = (X Aᵀ) Uᵀ at every target output — the factored form of
     x·ΔWᵀ with ΔW = U·A, never built. Non-target updates are not part of the prediction (they are frozen in the
@@ -275,20 +282,30 @@ def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, st
                                 else jnp.zeros_like(flat[k][...])))
             for k, target in probe_paths])
         hidden, dhidden = jax.jvp(features, (probes,), (tangent,))
+        kl_probe.hidden_before = hidden  # the JVP's primal: the realised KL reuses it (no second old forward)
         head = nnx.merge(graphdef, params, rest).head_weight()
         return predicted_kl_terms(hidden, dhidden, head, probe["kl_mask"], temperature, chunk)
 
+    kl_probe.hidden_before = None
     return kl_probe
 
 
 def realised_kl(graphdef: nnx.GraphDef, params: nnx.State, new_params: nnx.State, rest: nnx.State,
-                probe: Mapping[str, jax.Array], temperature: float = 1.0, chunk: int = 256
-                ) -> tuple[jax.Array, jax.Array]:
-    """(Σ_t KL_t, #t): exact KL(π_params ‖ π_new_params) at the probed positions (probe as in `make_kl_probe`)."""
+                probe: Mapping[str, jax.Array], temperature: float = 1.0, chunk: int = 256, *,
+                hidden_before: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(Σ_t KL_t, #t): exact KL(π_params ‖ π_new_params) at the probed positions (probe as in `make_kl_probe`).
+
+    hidden_before: the probe's final hidden states under `params` when already computed (`kl_probe.hidden_before`
+    of `make_kl_probe`): then only the head of `params` is read, and the old weights need not outlive the merge.
+    """
     old = nnx.merge(graphdef, params, rest)
-    h_old = old.features(probe["tokens"], attention_mask=probe["attention_mask"])
-    h_new = nnx.merge(graphdef, new_params, rest).features(probe["tokens"], attention_mask=probe["attention_mask"])
-    return realised_kl_terms(h_old, h_new, old.head_weight(), probe["kl_mask"], temperature, chunk)
+    h_old = hidden_before
+    if h_old is None:
+        h_old = old.features(probe["tokens"], attention_mask=probe["attention_mask"])
+    new = nnx.merge(graphdef, new_params, rest)
+    h_new = new.features(probe["tokens"], attention_mask=probe["attention_mask"])
+    return realised_kl_terms(h_old, h_new, old.head_weight(), probe["kl_mask"], temperature, chunk,
+                             new_head=new.head_weight())
 
 
 def predicted_and_realised_kl(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, step: jax.Array,

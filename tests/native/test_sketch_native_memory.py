@@ -111,3 +111,7 @@ def test_rl_step_memory_includes_the_kl_probe():
     per_row = 4 * seq * config.vocab_size * 4  # JVP logits + tangents, realised-KL logits before + after (bytes)
     assert probed[16]["temp"] - probed[2]["temp"] >= (16 - 2) * per_row
     assert probed[2]["temp"] > plain["temp"]
+    # The realised KL reuses the JVP's primal hidden states, so the old weights die at the in-place merge: the
+    # probe must not cost a second copy of the parameters (it did: +8.2 GiB at Qwen2.5-7B on 4 devices).
+    model_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(init_model(config), nnx.Param)))
+    assert probed[2]["temp"] - plain["temp"] < 0.5 * model_bytes, (probed[2], plain, model_bytes)
