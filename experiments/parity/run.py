@@ -21,7 +21,8 @@ with the demo).
 
 Run:  python -m experiments.parity.run --task demo [--phase sweep|best|all] [--jobs 2] [--contenders ...]
 (finished runs are reused; a later invocation with other contenders adds them to the same tables)
-Writes experiments/parity/<task>/{sweep,best}.json, .md, _curves.png and sweep.png (held-out vs step size).
+Writes experiments/parity/<task>/{sweep,best}.json and .md (every contender run so far), sweep.png (held-out vs
+step size), best_curves.png, and {sweep,best}_last.json / _curves.png (this invocation's runs).
 """
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ CONTENDERS: dict[str, tuple[str, tuple[float, ...], dict[str, Any]]] = {
     "adamw-all": ("learning_rate", (3e-5, 1e-4, 3e-4, 1e-3), {"name": "adamw", **NO_KL}),
     "adamw-targets": ("learning_rate", (3e-5, 1e-4, 3e-4, 1e-3), {"name": "adamw", "targets_only": True, **NO_KL}),
     "galore": ("learning_rate", (1e-4, 3e-4, 1e-3, 3e-3), {"name": "galore", **NO_KL}),
-    "logra-kl": ("kl_budget", (1.25e-3, 5e-3, 2e-2, 8e-2), {}),
+    "logra-kl": ("kl_budget", (1.25e-3, 5e-3, 2e-2, 8e-2, 3.2e-1), {}),
     "logra-fixed": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), NO_KL),
     "logra-nt-adamw": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2),
                        {"non_targets": "adamw", "learning_rate": 1e-4, **NO_KL}),
     "rowadam-dense": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {"name": "row_adam", **NO_KL}),
     # The remedy tried for LoGRA's drops: logra-kl whose steps are undone when the realised KL on the probe
     # exceeds 4× the budget (optimizer.kl_undo_above).
-    "logra-kl-undo": ("kl_budget", (1.25e-3, 5e-3, 2e-2, 8e-2), {"kl_undo_above": 4.0}),
+    "logra-kl-undo": ("kl_budget", (5e-3, 2e-2, 8e-2, 3.2e-1), {"kl_undo_above": 4.0}),
 }
 SWEEP_SEEDS, BEST_SEEDS = (0, 1), (0, 1, 2, 3, 4)
 
@@ -64,12 +65,13 @@ def task_config(task: str) -> dict[str, Any]:
     return merged(base, {"sft": {"cache_dir": str(HERE / task / "runs" / "sft_cache")}})
 
 
-def merge_earlier(path: Path, results: dict[str, Any], earlier: dict[str, Any] | None) -> dict[str, Any]:
-    """`results` plus the variants of an earlier invocation's file that this one did not run (so contenders can
-    be run in separate invocations); rewrites `path`."""
-    if earlier is not None:
-        results = {**results, "variants": {**{k: v for k, v in earlier["variants"].items()
-                                              if k not in results["variants"]}, **results["variants"]}}
+def merge_into(path: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """`results` plus the variants already in the file at `path` (written by earlier or concurrent invocations)
+    that this one did not run, so contenders can be run in separate invocations; rewrites `path`."""
+    if path.exists():
+        earlier = json.loads(path.read_text())["variants"]
+        results = {**results, "variants": {**{k: v for k, v in earlier.items() if k not in results["variants"]},
+                                           **results["variants"]}}
     path.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
@@ -158,13 +160,11 @@ def main() -> None:
     out = HERE / args.task
     base = task_config(args.task)
     title = f"learning parity, {args.task} task"
-    earlier_sweep = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else None
-    earlier_best = json.loads((out / "best.json").read_text()) if (out / "best.json").exists() else None
     if args.phase in ("sweep", "all"):
         variants = {variant_name(c, v): variant(c, v) for c in args.contenders for v in CONTENDERS[c][1]}
         sweep = run_sweep(base, variants, SWEEP_SEEDS, out, jobs=args.jobs, title=f"{title}: step-size sweep",
-                          step_memory=False, name="sweep")
-        sweep = merge_earlier(out / "sweep.json", sweep, earlier_sweep)
+                          step_memory=False, name="sweep_last")
+        sweep = merge_into(out / "sweep.json", sweep)
         (out / "sweep.md").write_text(sweep_table(sweep) + "\n")
         plot_sweep(sweep, out / "sweep.png", f"{title}: final held-out accuracy vs step size (2 seeds)")
         print(sweep_table(sweep))
@@ -173,8 +173,8 @@ def main() -> None:
         chosen = best_values(sweep)
         variants = {variant_name(c, v): variant(c, v) for c, v in chosen.items() if c in args.contenders}
         best = run_sweep(base, variants, BEST_SEEDS, out, jobs=args.jobs, title=f"{title}: best settings",
-                         name="best")
-        best = merge_earlier(out / "best.json", best, earlier_best)
+                         name="best_last")
+        best = merge_into(out / "best.json", best)
         plot_curves(out, {name: {} for name in best["variants"]}, BEST_SEEDS, f"{title}: best settings",
                     filename="best_curves.png")
         (out / "best.md").write_text(best_table(best) + "\n")
