@@ -171,7 +171,7 @@ def main() -> None:
     if args.phase in ("best", "all"):
         sweep = json.loads((out / "sweep.json").read_text())
         chosen = best_values(sweep)
-        variants = {variant_name(c, v): variant(c, v) for c, v in chosen.items() if c in args.contenders}
+        variants = {variant_name(c, chosen[c]): variant(c, chosen[c]) for c in args.contenders if c in chosen}
         best = run_sweep(base, variants, BEST_SEEDS, out, jobs=args.jobs, title=f"{title}: best settings",
                          name="best_last")
         best = merge_into(out / "best.json", best)
