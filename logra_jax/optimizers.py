@@ -102,7 +102,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                   subtract_mismatch=cfg.subtract_mismatch)
     tx = logra(cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
                variant=cfg.variant, b2=cfg.b2, eps=cfg.eps,
-               update_ratio=cfg.update_ratio,
+               update_ratio=cfg.update_ratio, ratio_scope=cfg.ratio_scope,
                lr=cfg.learning_rate if cfg.variant == "nemo" else None,
                weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,
                non_target_tx=non_target_tx, round_bf16=round_bf16, kl_control=kl,

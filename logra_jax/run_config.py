@@ -200,7 +200,8 @@ class OptimizerSection:
     """name: "logra" | "adamw" | "galore" | "adafactor" | "row_adam". AdamW/GaLore use learning_rate, weight_decay
     and grad_clip (0 = off), Adafactor learning_rate; AdamW with targets_only trains exactly LoGRA's targets (the
     rest frozen); row_adam is LoGRA's RowAdam and update_ratio on the targets' dense gradients (no sketch; b2, eps);
-    GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd), learning_rate (nemo), refresh,
+    GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd) and ratio_scope ("global" as in the paper, or
+    "layer": each layer moves by update_ratio of its own norm), learning_rate (nemo), refresh,
     distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
     nemo), sketch_native, non_targets ("frozen" | "adamw"), and the
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
@@ -216,6 +217,7 @@ class OptimizerSection:
     rank: int = 64
     variant: str = "paper"
     update_ratio: float = 6e-5
+    ratio_scope: str = "global"
     refresh: bool = True
     distribution: str = "rademacher"
     base_seed: int = 42
@@ -241,6 +243,7 @@ class OptimizerSection:
             _fail("optimizer.targets_only", self.targets_only, "is an AdamW option (optimizer.name='adamw')")
         _check_choice("optimizer", "implementation", self.implementation, ("xla", "pallas"))
         _check_choice("optimizer", "variant", self.variant, ("paper", "nemo", "sgd"))
+        _check_choice("optimizer", "ratio_scope", self.ratio_scope, ("global", "layer"))
         _check_choice("optimizer", "distribution", self.distribution, ("rademacher", "gaussian"))
         _check_choice("optimizer", "non_targets", self.non_targets, ("frozen", "adamw"))
         _check_range("optimizer", "learning_rate", self.learning_rate, 0.0, lo_open=True)

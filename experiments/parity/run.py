@@ -9,6 +9,7 @@ the same RL steps on the same batches; only the optimizer differs):
   logra-fixed      LoGRA with a fixed update ratio (no KL control)
   logra-nt-adamw   LoGRA with a fixed update ratio and the non-targets trained by AdamW (lr 1e-4, not swept)
   rowadam-dense    LoGRA's RowAdam + update ratio on the targets' dense gradients (no sketch)
+  logra-layer      LoGRA, fixed ratio applied per layer (each layer moves by the ratio of its own norm): a remedy
   logra-kl-undo    logra-kl with steps undone when the realised KL on the probe exceeds 4× the budget (the remedy)
 Protocol: each contender's step size (AdamW/GaLore lr, LoGRA update ratio or KL budget) over 4 log-spaced values
 × 2 seeds ("sweep"); then each contender's best value (highest mean final held-out accuracy) with 5 seeds
@@ -47,6 +48,9 @@ CONTENDERS: dict[str, tuple[str, tuple[float, ...], dict[str, Any]]] = {
     "logra-nt-adamw": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2),
                        {"non_targets": "adamw", "learning_rate": 1e-4, **NO_KL}),
     "rowadam-dense": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {"name": "row_adam", **NO_KL}),
+    # The remedy tried for the component at fault (the step-size rule, see README): each layer moves by the
+    # update ratio of its own norm (optimizer.ratio_scope="layer") instead of one global ratio.
+    "logra-layer": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {"ratio_scope": "layer", **NO_KL}),
     # The remedy tried for LoGRA's drops: logra-kl whose steps are undone when the realised KL on the probe
     # exceeds 4× the budget (optimizer.kl_undo_above).
     "logra-kl-undo": ("kl_budget", (5e-3, 2e-2, 8e-2, 3.2e-1), {"kl_undo_above": 4.0}),

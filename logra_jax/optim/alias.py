@@ -79,6 +79,7 @@ def target_labels(tree: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES)
 
 def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = "rademacher", refresh: bool = True,
           variant: Variant = "paper", b2: float = 0.95, eps: float = 1e-8, update_ratio: float = 6e-5,
+          ratio_scope: str = "global",
           lr: float | optax.Schedule | None = None, weight_decay: float = 0.0,
           rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES,
           non_target_tx: optax.GradientTransformation | None = None,
@@ -101,7 +102,9 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       variant: "paper", "nemo" or "sgd" (see scale_by_row_adam).
       b2: RowAdam β₂.
       eps: RowAdam ε (relative for paper, absolute for nemo).
-      update_ratio: global update-to-weight norm ratio (paper and sgd variants).
+      update_ratio: update-to-weight norm ratio (paper and sgd variants).
+      ratio_scope: "global" (the paper's: one ratio over all targets together) or "layer" (each layer moves by
+        update_ratio of its own norm; see scale_by_update_ratio).
       lr: learning rate or schedule (nemo variant only; required there).
       weight_decay: decoupled weight decay λ (nemo variant only).
       rules: TargetRule sequence choosing the targets.
@@ -146,7 +149,7 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
         if isinstance(weight_decay, (int, float)) and weight_decay != 0:
             raise ValueError(f"logra: weight_decay is only used by variant='nemo', got {weight_decay!r} with "
                              f"variant={variant!r}")
-        step_size = [scale_by_update_ratio(update_ratio)]
+        step_size = [scale_by_update_ratio(update_ratio, scope=ratio_scope)]
         negation = scale_lowrank(-1.0)
     if kl_control is not None:
         step_size.append(scale_by_predicted_kl(**kl_control))

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank, to_slices
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+SCOPES: tuple[str, ...] = ("global", "layer")
 
 
 def update_ratio_factor(updates: Any, params: Any, ratio: float | jax.Array) -> jax.Array:
@@ -54,14 +55,41 @@ def update_ratio_factor(updates: Any, params: Any, ratio: float | jax.Array) -> 
     return jnp.where(update_sq > 0, ratio * jnp.sqrt(weight_sq / safe), 0.0)
 
 
-def scale_by_update_ratio(ratio: float = 6e-5) -> optax.GradientTransformationExtraArgs:
+def layer_ratio_factor(u: LowRankUpdate, weight: Any, ratio: float | jax.Array) -> jax.Array:
+    """Per layer (batch slice) l of one target: ratio · ‖W_l‖ / ‖D_l A_l‖, shaped to multiply u.factor
+    ([*batch, 1, ..., 1]); 0 where ‖D_l A_l‖ = 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from logra_jax.optim.sketch import scale_by_sketch
+      >>> params = {"q_proj": {"kernel": jnp.ones((3, 8, 4))}}
+      >>> updates, _ = scale_by_sketch(rank=2).update(params, scale_by_sketch(rank=2).init(params))
+      >>> layer_ratio_factor(updates["q_proj"]["kernel"], params["q_proj"]["kernel"], 0.01).shape
+      (3, 1, 1)
+    """
+    u.check_step()
+    t = u.target
+    w = to_slices(jnp.asarray(weight, jnp.float32), t)
+    weight_sq = jnp.sum(jnp.square(w).reshape(t.num_slices, -1), axis=1)
+    d = u.factor.astype(jnp.float32).reshape(t.num_slices, t.d, u.meta.rank)
+    update_sq = jnp.einsum("biz,bzy,biy->b", d, u.projection_gram(), d, precision=_HIGHEST)
+    safe = jnp.where(update_sq > 0, update_sq, 1.0)
+    factor = jnp.where(update_sq > 0, ratio * jnp.sqrt(weight_sq / safe), 0.0)
+    return factor.reshape(*t.batch_shape, *(1,) * (u.factor.ndim - len(t.batch_shape)))
+
+
+def scale_by_update_ratio(ratio: float = 6e-5, scope: str = "global") -> optax.GradientTransformationExtraArgs:
     """Scale every low-rank factor so the whole step has norm `ratio` relative to the target weights.
 
-    D_l ← ratio · sqrt(Σ_l ‖W_l‖²_F / Σ_l ‖D_l A_l‖²_F) · D_l (one global factor; see the module docstring).
+    scope "global" (LOGRA.md): D_l ← ratio · sqrt(Σ_l ‖W_l‖²_F / Σ_l ‖D_l A_l‖²_F) · D_l, one factor for all
+    layers, which then move in proportion to their sketches' norms. scope "layer" (a LARS-style trust ratio, not
+    in the paper): D_l ← ratio · ‖W_l‖_F / ‖D_l A_l‖_F · D_l, every layer (batch slice of every target) moves by
+    the same fraction of its own norm, so layers with small gradients are not starved.
     Other leaves pass through unchanged; a decay term (if any) is not scaled. Needs `params`.
 
     Args:
       ratio: the update-to-weight norm ratio (LOGRA.md: 6e-5); may be an array under inject_hyperparams.
+      scope: "global" or "layer".
 
     Returns:
       An optax.GradientTransformationExtraArgs with optax.EmptyState.
@@ -81,6 +109,8 @@ def scale_by_update_ratio(ratio: float = 6e-5) -> optax.GradientTransformationEx
     """
     if isinstance(ratio, (int, float)) and not ratio >= 0:
         raise ValueError(f"ratio must be >= 0, got {ratio!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scale_by_update_ratio: scope must be one of {SCOPES}, got {scope!r}")
 
     def init_fn(params: Any) -> optax.EmptyState:
         del params
@@ -91,6 +121,14 @@ def scale_by_update_ratio(ratio: float = 6e-5) -> optax.GradientTransformationEx
         del extra_args
         if params is None:
             raise ValueError("scale_by_update_ratio needs params: call update(updates, state, params)")
+        if scope == "layer":
+            if not any(map(is_lowrank, jax.tree.leaves(updates, is_leaf=is_lowrank))):
+                raise ValueError("scale_by_update_ratio: the updates hold no LowRankUpdate; place it after "
+                                 "scale_by_sketch")
+            scaled = jax.tree.map(lambda u, w: u.replace(factor=layer_ratio_factor(u, w, ratio) * u.factor)
+                                  if is_lowrank(u) else u, updates, params,
+                                  is_leaf=lambda x: x is None or is_lowrank(x))
+            return scaled, state
         factor = update_ratio_factor(updates, params, ratio)
         scaled = jax.tree.map(lambda u: u.replace(factor=factor * u.factor) if is_lowrank(u) else u,
                               updates, is_leaf=is_lowrank)

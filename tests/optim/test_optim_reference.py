@@ -347,3 +347,23 @@ def test_round_bf16_defaults_to_the_variants_convention(variant, round_bf16, rou
 def test_round_bf16_is_validated():
     with pytest.raises(TypeError, match="round_bf16 must be a bool or None"):
         logra(RANK, rules=RULES, round_bf16="yes")
+
+
+def test_layer_scope_moves_every_layer_by_the_ratio():
+    """scope="layer": ‖ΔW_l‖ / ‖W_l‖ = ratio for every layer of every target (the stacked target's 3 slices and
+    the two unbatched 3-D einsum kernels), computed from the dense ΔW = D·A, not the Gram-matrix trick."""
+    rng = np.random.default_rng(4)
+    params = make_params(rng)
+    tx = optax.chain(scale_by_sketch(RANK, BASE, rules=RULES), scale_by_row_adam("paper", rules=RULES),
+                     scale_by_update_ratio(0.03, scope="layer"))
+    grads = make_grads(rng)
+    grads = as_tree({p: g * s for (p, g), s in zip(grads.items(), (1.0, 100.0, 1e-3))}, np.ones(12))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    slices = {"stack.w": [(i,) for i in range(3)], "q_einsum": [()], "o_einsum": [()]}
+    for p, index in slices.items():
+        dense = np.asarray(get(updates, p).to_dense())
+        for i in index:
+            ratio = np.linalg.norm(dense[i]) / np.linalg.norm(np.asarray(get(params, p))[i])
+            assert math.isclose(ratio, 0.03, rel_tol=1e-4), (p, i, ratio)
+    with pytest.raises(ValueError, match="scope"):
+        scale_by_update_ratio(0.03, scope="row")
