@@ -1,10 +1,12 @@
 r"""The CPU demo: a small character-level decoder learns two-digit addition, then LoGRA RL teaches it to carry.
 
 SFT warm start on two-digit additions *without* carries (plus 100 examples of the RL task), then 200 steps of RL
-with LoGRA (sketch-native, rank 64, predicted-KL control) on two-digit additions *with* at least one carry; the
-held-out problems (also with carries) are never trained on. Prints held-out greedy accuracy before and after RL
-and writes runs/demo/reward_curve.png. Measured here: 2.7% → 40.6% held-out in 2 min 30 s (experiments/optimizers
-has three seeds beside AdamW and GaLore).
+with LoGRA (sketch-native, rank 64, update ratio 3e-3 applied per layer: the best LoGRA setting of
+experiments/parity) on two-digit additions *with* at least one carry; the held-out problems (also with carries)
+are never trained on. Prints held-out greedy accuracy before and after RL and writes runs/demo/reward_curve.png.
+Measured here (seed 0): 5.9% → 61.7% held-out in 2 min 6 s (evaluations every 50 steps: 0.059, 0.363, 0.469, 0.461, 0.617); over 5 seeds 72.8 ± 8.6% after RL, against 81.4 ± 9.0%
+for AdamW on the same weights (experiments/parity/README.md). The predicted-KL controller is one override away:
+--config.optimizer.kl_control=True --config.optimizer.kl_budget=0.32 --config.optimizer.ratio_scope=global.
 
 Run:   python -m logra_jax.main --config=configs/demo.py --workdir=runs/demo     (what `make demo` does)
 Quick: python -m logra_jax.main --config=configs/demo.py:runlocal --workdir=/tmp/demo
@@ -27,8 +29,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
                  train_size=4000, task_examples=100)
     c.rollout.update(prompts_per_step=16, num_samples=16, max_new_tokens=5, temperature=1.0, workers=0)
     c.algorithm.update(estimator="grpo", policy="ppo", tis_cap=2.0, aggregation="token_mean")
-    c.optimizer.update(name="logra", rank=64, update_ratio=3e-3, sketch_native=True, kl_control=True,
-                       kl_budget=2e-2, kl_budget_final=5e-3, kl_schedule_steps=200, probe_responses=8)
+    # The best LoGRA setting of experiments/parity (5 seeds): a fixed update ratio applied per layer.
+    c.optimizer.update(name="logra", rank=64, update_ratio=3e-3, ratio_scope="layer", sketch_native=True,
+                       kl_control=False, kl_budget=2e-2, kl_budget_final=5e-3, kl_schedule_steps=200,
+                       probe_responses=8)
     c.train.update(steps=200, microbatches=2, seed=0, eval_every=50, checkpoint_every=50, keep_checkpoints=2)
     if arg == "runlocal":
         c.sft.steps = 20
