@@ -20,6 +20,41 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 SCOPES: tuple[str, ...] = ("global", "layer")
 
 
+def _lowrank_pairs(updates: Any, params: Any) -> list[tuple[LowRankUpdate, Any]]:
+    """(LowRankUpdate, its weight) for every low-rank leaf of `updates`; ValueError when there is none."""
+    pairs = []
+
+    def collect(u: Any, w: Any) -> None:
+        if isinstance(u, LowRankUpdate):
+            pairs.append((u, w))
+
+    jax.tree.map(collect, updates, params, is_leaf=lambda x: x is None or is_lowrank(x))
+    if not pairs:
+        raise ValueError("scale_by_update_ratio: the updates hold no LowRankUpdate; place it after scale_by_sketch")
+    return pairs
+
+
+def _norms_sq(u: LowRankUpdate, weight: Any, per_layer: bool) -> tuple[jax.Array, jax.Array]:
+    """(‖W‖², ‖D A‖²) of one target, as scalars or per layer (batch slice, [num_slices]); ‖D A‖² = ⟨D (A Aᵀ), D⟩."""
+    u.check_step()
+    t = u.target
+    w = jnp.asarray(weight, jnp.float32)
+    d = u.factor.astype(jnp.float32).reshape(t.num_slices, t.d, u.meta.rank)
+    if per_layer:
+        weight_sq = jnp.sum(jnp.square(to_slices(w, t)).reshape(t.num_slices, -1), axis=1)
+    else:
+        weight_sq = jnp.sum(jnp.square(w))
+    update_sq = jnp.einsum("biz,bzy,biy->b" if per_layer else "biz,bzy,biy->", d, u.projection_gram(), d,
+                           precision=_HIGHEST)
+    return weight_sq, update_sq
+
+
+def _factor(ratio: float | jax.Array, weight_sq: jax.Array, update_sq: jax.Array) -> jax.Array:
+    """ratio · sqrt(weight_sq / update_sq), 0 where update_sq = 0 (nothing to step)."""
+    safe = jnp.where(update_sq > 0, update_sq, 1.0)
+    return jnp.where(update_sq > 0, ratio * jnp.sqrt(weight_sq / safe), 0.0)
+
+
 def update_ratio_factor(updates: Any, params: Any, ratio: float | jax.Array) -> jax.Array:
     """ratio · sqrt(Σ‖W‖² / Σ‖D A‖²) over the LowRankUpdate leaves of `updates` and their `params` weights.
 
@@ -34,25 +69,13 @@ def update_ratio_factor(updates: Any, params: Any, ratio: float | jax.Array) -> 
       >>> float(update_ratio_factor(updates, params, 0.0))
       0.0
     """
-    pairs = []
-
-    def collect(u: Any, w: Any) -> None:
-        if isinstance(u, LowRankUpdate):
-            pairs.append((u, w))
-
-    jax.tree.map(collect, updates, params, is_leaf=lambda x: x is None or is_lowrank(x))
-    if not pairs:
-        raise ValueError("scale_by_update_ratio: the updates hold no LowRankUpdate; place it after scale_by_sketch")
     weight_sq = jnp.zeros((), jnp.float32)
     update_sq = jnp.zeros((), jnp.float32)
-    for u, w in pairs:
-        u.check_step()
-        t = u.target
-        weight_sq += jnp.sum(jnp.square(jnp.asarray(w, jnp.float32)))
-        d = u.factor.astype(jnp.float32).reshape(t.num_slices, t.d, u.meta.rank)
-        update_sq += jnp.einsum("biz,bzy,biy->", d, u.projection_gram(), d, precision=_HIGHEST)
-    safe = jnp.where(update_sq > 0, update_sq, 1.0)
-    return jnp.where(update_sq > 0, ratio * jnp.sqrt(weight_sq / safe), 0.0)
+    for u, w in _lowrank_pairs(updates, params):
+        w_sq, u_sq = _norms_sq(u, w, per_layer=False)
+        weight_sq += w_sq
+        update_sq += u_sq
+    return _factor(ratio, weight_sq, update_sq)
 
 
 def layer_ratio_factor(u: LowRankUpdate, weight: Any, ratio: float | jax.Array) -> jax.Array:
@@ -67,14 +90,8 @@ def layer_ratio_factor(u: LowRankUpdate, weight: Any, ratio: float | jax.Array) 
       >>> layer_ratio_factor(updates["q_proj"]["kernel"], params["q_proj"]["kernel"], 0.01).shape
       (3, 1, 1)
     """
-    u.check_step()
+    factor = _factor(ratio, *_norms_sq(u, weight, per_layer=True))
     t = u.target
-    w = to_slices(jnp.asarray(weight, jnp.float32), t)
-    weight_sq = jnp.sum(jnp.square(w).reshape(t.num_slices, -1), axis=1)
-    d = u.factor.astype(jnp.float32).reshape(t.num_slices, t.d, u.meta.rank)
-    update_sq = jnp.einsum("biz,bzy,biy->b", d, u.projection_gram(), d, precision=_HIGHEST)
-    safe = jnp.where(update_sq > 0, update_sq, 1.0)
-    factor = jnp.where(update_sq > 0, ratio * jnp.sqrt(weight_sq / safe), 0.0)
     return factor.reshape(*t.batch_shape, *(1,) * (u.factor.ndim - len(t.batch_shape)))
 
 
@@ -122,16 +139,13 @@ def scale_by_update_ratio(ratio: float = 6e-5, scope: str = "global") -> optax.G
         if params is None:
             raise ValueError("scale_by_update_ratio needs params: call update(updates, state, params)")
         if scope == "layer":
-            if not any(map(is_lowrank, jax.tree.leaves(updates, is_leaf=is_lowrank))):
-                raise ValueError("scale_by_update_ratio: the updates hold no LowRankUpdate; place it after "
-                                 "scale_by_sketch")
-            scaled = jax.tree.map(lambda u, w: u.replace(factor=layer_ratio_factor(u, w, ratio) * u.factor)
-                                  if is_lowrank(u) else u, updates, params,
-                                  is_leaf=lambda x: x is None or is_lowrank(x))
-            return scaled, state
-        factor = update_ratio_factor(updates, params, ratio)
-        scaled = jax.tree.map(lambda u: u.replace(factor=factor * u.factor) if is_lowrank(u) else u,
-                              updates, is_leaf=is_lowrank)
+            _lowrank_pairs(updates, params)  # no low-rank leaf is an error, as in the global scope
+            factor_of = lambda u, w: layer_ratio_factor(u, w, ratio)
+        else:
+            factor = update_ratio_factor(updates, params, ratio)
+            factor_of = lambda u, w: factor
+        scaled = jax.tree.map(lambda u, w: u.replace(factor=factor_of(u, w) * u.factor) if is_lowrank(u) else u,
+                              updates, params, is_leaf=lambda x: x is None or is_lowrank(x))
         return scaled, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
