@@ -76,22 +76,20 @@ class OptimizerPlan:
 def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: float = 1.0) -> OptimizerPlan:
     """The transformation and step settings for `cfg`; attaches sketch probes to `model` when LoGRA needs them
     (sketch-native mode, or predicted-KL probing which injects tangents through the same hooks)."""
-    params = nnx.state(model, nnx.Param)
-    if cfg.name in ("row_adam", "adamw") and (cfg.name == "row_adam" or cfg.targets_only):
-        targets = find_targets(params, DEFAULT_TARGET_RULES)  # no target is an error naming the rules
-        tx = _adamw(cfg) if cfg.name == "adamw" else optax.chain(
-            scale_by_dense_row_adam(cfg.update_ratio, b2=cfg.b2, eps=cfg.eps), optax.scale(-1.0))
-        return OptimizerPlan(_targets_and_rest(tx, optax.set_to_zero()),
-                             trainable=lambda path, _: ".".join(map(str, path)) in targets)
-    if cfg.name == "adamw":
+    if cfg.name == "adamw" and not cfg.targets_only:
         return OptimizerPlan(_adamw(cfg))
     if cfg.name == "adafactor":
         return OptimizerPlan(optax.adafactor(cfg.learning_rate))
+    targets = find_targets(nnx.state(model, nnx.Param), DEFAULT_TARGET_RULES)  # none is an error naming the rules
+    is_target = lambda path, _: ".".join(map(str, path)) in targets
+    if cfg.name in ("adamw", "row_adam"):  # dense gradients of the targets only, the rest frozen
+        tx = _adamw(cfg) if cfg.name == "adamw" else optax.chain(
+            scale_by_dense_row_adam(cfg.update_ratio, b2=cfg.b2, eps=cfg.eps), optax.scale(-1.0))
+        return OptimizerPlan(_targets_and_rest(tx, optax.set_to_zero()), trainable=is_target)
     if cfg.name == "galore":
         galore = per_layer(optax.contrib.scale_by_galore(rank=cfg.rank, update_proj_gap=GALORE_UPDATE_GAP,
                                                          base_optimizer=optax.scale_by_adam()))
         galore = optax.chain(galore, optax.add_decayed_weights(cfg.weight_decay), optax.scale(-cfg.learning_rate))
-        find_targets(params, DEFAULT_TARGET_RULES)  # no target is an error naming the rules
         return OptimizerPlan(_targets_and_rest(galore, optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)))
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
     round_bf16 = resolve_round_bf16(cfg.round_bf16, cfg.variant)
@@ -107,8 +105,6 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,
                non_target_tx=non_target_tx, round_bf16=round_bf16, kl_control=kl,
                implementation=cfg.implementation, interpret=cfg.interpret)
-    targets = find_targets(params, DEFAULT_TARGET_RULES)
-    is_target = lambda path, _: ".".join(map(str, path)) in targets
     frozen = cfg.non_targets == "frozen"
     if cfg.sketch_native:  # trainable = the non-targets trained densely
         trainable = None if frozen else (lambda path, v: not is_target(path, v))
