@@ -86,7 +86,7 @@ def _probe_batch(rollout, rows: np.ndarray, step: int) -> dict[str, jax.Array]:
     would otherwise take an unmeasured full step)."""
     tokens = rollout.tokens[rows]
     response = rollout.response_mask[rows]
-    if not bool(jnp.any(response)):
+    if not np.asarray(rollout.response_mask)[rows].any():  # host copy already fetched to decode the responses
         raise ValueError(f"RL step {step}: the predicted-KL probe responses (rollout rows {rows.tolist()}) hold no "
                          "generated token, so the step's KL cannot be predicted")
     prompt_len = rollout.prompt_mask.shape[1]

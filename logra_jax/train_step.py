@@ -50,7 +50,8 @@ class TrainState(NamedTuple):
 class KLProbeConfig:
     """Predicted-KL probing inside the step: sampling temperature and positions per chunk. undo_above: when > 0,
     a step whose realised KL on the probe exceeds undo_above × the controller's budget is undone (params back,
-    no state advanced, reported as kl_undone = 1): the guard against a prediction that underestimates."""
+    no state advanced, reported as kl_undone = 1): the guard against a prediction that underestimates. Its
+    cost: the old weights stay alive until the realised KL is known (one more copy of the parameters)."""
 
     temperature: float = 1.0
     chunk: int = 256
@@ -104,9 +105,9 @@ def accumulate_grads(value_and_grad: Callable[[Mapping[str, jax.Array]], tuple[t
     def body(carry, mb):
         acc, loss_sum, den_sum = carry
         (loss, aux), grads = value_and_grad(mb)
-        weight = jnp.maximum(aux[LOSS_DENOMINATOR].astype(jnp.float32), 1.0) if weighted else jnp.float32(1.0)
-        acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), acc, grads)
         den = aux[LOSS_DENOMINATOR].astype(jnp.float32) if weighted else jnp.float32(1.0)
+        weight = jnp.maximum(den, 1.0)  # num_m = loss_m · max(den_m, 1); 1 for an unweighted mean loss
+        acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), acc, grads)
         return (acc, loss_sum + weight * loss.astype(jnp.float32), den_sum + den), aux
 
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))

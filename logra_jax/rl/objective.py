@@ -64,7 +64,8 @@ def probe_rows(prompts: int, num_samples: int, count: int, seed: int | tuple[int
     start = int(rng.integers(prompts))
     spread = min(count, prompts)
     order = [(start + (i * prompts) // spread) % prompts for i in range(spread)]
-    order += [b for b in range(prompts) if b not in set(order)]  # the remaining prompts, for later rounds
+    spread_set = set(order)
+    order += [b for b in range(prompts) if b not in spread_set]  # the remaining prompts, for later rounds
     samples = np.stack([rng.permutation(num_samples) for _ in range(prompts)])  # [prompts, n]
     rows = [b * num_samples + int(samples[b, r]) for r in range(-(-count // prompts)) for b in order]
     return np.asarray(rows[:count], np.int64)
