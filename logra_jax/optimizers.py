@@ -23,7 +23,7 @@ from logra_jax.optim import logra
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, resolve_round_bf16, target_labels
 from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
 from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, find_targets, path_str
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets, path_str
 from logra_jax.run_config import OptimizerSection
 from logra_jax.train_step import KLProbeConfig, Trainable, densely_trained
 
@@ -71,6 +71,22 @@ class OptimizerPlan:
         paths = [path_str(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
         low_rank, trained = set(self.targets or ()), densely_trained(self.mode, self.trainable)
         return [p for p in paths if p not in low_rank and trained(tuple(p.split(".")))]
+
+
+def check_optimizer_fits(cfg: OptimizerSection, model: nnx.Module) -> None:
+    """Fail fast (before the SFT warm start and any compilation) when the optimizer cannot run on `model`:
+    LoGRA's rank must fit every target's width (the error names the layer, its width and the field).
+
+    Raises:
+      ValueError: no target matches, or `optimizer.rank` exceeds a target's width.
+    """
+    if cfg.name != "logra":
+        return
+    targets = find_targets(nnx.state(model, nnx.Param), DEFAULT_TARGET_RULES)
+    try:
+        check_rank_fits(targets, cfg.rank)
+    except ValueError as e:
+        raise ValueError(f"config.optimizer.rank = {cfg.rank}: {e}") from e
 
 
 def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: float = 1.0) -> OptimizerPlan:

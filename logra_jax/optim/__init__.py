@@ -3,11 +3,27 @@
   tx = logra(rank=256)                                  # or chain the pieces yourself
   updates, state = tx.update(grads, state, params)
   params = apply_updates(params, updates)               # merges W ← W − U·A layer by layer
+
+  tx = logra(rank=256, dense_updates=True)              # drop-in: dense ΔW = U·A formed inside the update,
+  params = optax.apply_updates(params, updates)         # so optax.apply_updates / nnx.Optimizer work unchanged
 """
 
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, logra, target_labels
-from logra_jax.optim.lowrank import LowRankMeta, LowRankUpdate, apply_updates, is_lowrank
-from logra_jax.optim.lowrank_scale import add_decayed_weights_lowrank, scale_lowrank
+from logra_jax.optim.lowrank import (
+    MISUSE_ADVICE,
+    LowRankMeta,
+    LowRankUpdate,
+    apply_updates,
+    is_lowrank,
+    is_lowrank_aware,
+    mark_lowrank_aware,
+)
+from logra_jax.optim.lowrank_scale import (
+    add_decayed_weights_lowrank,
+    clip_by_global_norm_lowrank,
+    densify_lowrank,
+    scale_lowrank,
+)
 from logra_jax.optim.projection import (
     DISTRIBUTIONS,
     digest_words,
@@ -26,6 +42,7 @@ from logra_jax.optim.targets import (
     MatrixDims,
     Target,
     TargetRule,
+    check_rank_fits,
     find_targets,
     match_target,
     path_keys,
@@ -36,6 +53,7 @@ from logra_jax.optim.update_ratio import scale_by_update_ratio, update_ratio_fac
 __all__ = [
     "DEFAULT_TARGET_RULES",
     "DISTRIBUTIONS",
+    "MISUSE_ADVICE",
     "NON_TARGET_LABEL",
     "TARGET_LABEL",
     "VARIANTS",
@@ -48,13 +66,18 @@ __all__ = [
     "TargetRule",
     "add_decayed_weights_lowrank",
     "apply_updates",
+    "check_rank_fits",
+    "clip_by_global_norm_lowrank",
+    "densify_lowrank",
     "digest_words",
     "find_targets",
     "is_lowrank",
+    "is_lowrank_aware",
     "key_from_digest",
     "layer_key",
     "layer_seed",
     "logra",
+    "mark_lowrank_aware",
     "match_target",
     "path_digest",
     "path_keys",

@@ -5,7 +5,23 @@
                   nemo:        add_decayed_weights_lowrank(weight_decay), scale_lowrank(−lr)
   non-targets:  non_target_tx (default optax.set_to_zero(): frozen, the paper's recipe)
 routed by optax.partition with labels "logra" / "non_target" from the target rules. Updates of targets are
-LowRankUpdate leaves: merge them with `logra_jax.optim.apply_updates`, not optax.apply_updates.
+LowRankUpdate leaves: merge them with `logra_jax.optim.apply_updates`, not optax.apply_updates — or build
+`logra(..., dense_updates=True)`, which ends with `densify_lowrank()` (dense float32 ΔW = U·A inside the same
+update) so that optax.apply_updates and nnx.Optimizer work unchanged and give the same weights.
+
+Misuse check (low-rank route only). A generic optax transform after logra would treat LowRankUpdate leaves as
+floats (clip_by_global_norm fails inside lax.select, optax.scale silently turns `step` into a float). No
+transform can see what follows it, but Python can: at trace time logra's update walks the interpreter frames
+above it (sys._getframe). A frame running optax.chain's or optax.named_chain's update loop is recognised by its
+code object (taken at import from `optax.chain(...).update.__code__`, not by name); its locals say which
+transform of the loop is running (`len(new_state)` = its index, in `update_fns` / `transforms`), hence which one
+follows. When logra (or whatever wraps it: inject_hyperparams, MultiSteps, partition) is last in that chain the
+walk continues outward. The first successor found must be low-rank-aware (marked by `mark_lowrank_aware`, as are
+scale_lowrank, add_decayed_weights_lowrank, clip_by_global_norm_lowrank, densify_lowrank; seen through optax's
+extra-args wrapper, nested chains and inject_hyperparams), else a ValueError names it and says what to do. An
+unrecognised frame layout (another optax version) makes the check a no-op: it is diagnostic only. The backstop
+is at every consumer of a LowRankUpdate (`LowRankUpdate.check_step`: a non-int32 step or a mis-shaped factor
+raises TypeError with the same advice), and `W + u` raises TypeError saying which merge to use.
 Keyword extra args given to `update` reach every transform in the chain: with `kl_control`, the predicted-KL
 step control (LOGRA.md §5) sits just before the negation and takes `kl_probe=` / `kl_prediction=`.
 `implementation="pallas"` runs RowAdam's row moment and the merge through the Pallas kernels of logra_jax.kernels
@@ -14,6 +30,8 @@ step control (LOGRA.md §5) sits just before the negation and takes `kl_probe=` 
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,8 +40,13 @@ import numpy as np
 import optax
 
 from logra_jax.kernels.backend import Implementation
-from logra_jax.optim.lowrank import is_lowrank
-from logra_jax.optim.lowrank_scale import add_decayed_weights_lowrank, scale_lowrank
+from logra_jax.optim.lowrank import MISUSE_ADVICE, is_lowrank, is_lowrank_aware
+from logra_jax.optim.lowrank_scale import (
+    add_decayed_weights_lowrank,
+    clip_by_global_norm_lowrank,
+    densify_lowrank,
+    scale_lowrank,
+)
 from logra_jax.optim.predicted_kl import scale_by_predicted_kl
 from logra_jax.optim.projection import Distribution
 from logra_jax.optim.row_adam import Variant, scale_by_row_adam
@@ -35,6 +58,16 @@ TARGET_LABEL = "logra"
 NON_TARGET_LABEL = "non_target"
 # Each variant's own wire format for the merged factor: the paper's code ships bf16, NeMo merges in fp32.
 ROUND_BF16_BY_VARIANT: dict[str, bool] = {"paper": True, "sgd": True, "nemo": False}
+
+# Code objects of optax's combinators, taken from live instances (not matched by name): see the module docstring.
+_IDENTITY = optax.identity()
+_CHAIN_CODE = optax.chain(_IDENTITY).update.__code__
+_NAMED_CHAIN_CODE = optax.named_chain(("_", _IDENTITY)).update.__code__
+_EXTRA_ARGS_CODE = optax.with_extra_args_support(
+    optax.GradientTransformation(_IDENTITY.init, lambda u, s, p=None: (u, s))).update.__code__
+_INJECT_CODE = optax.inject_hyperparams(optax.scale)(1.0).update.__code__
+# Factories whose transforms take LowRankUpdate leaves, recognised inside optax.inject_hyperparams.
+_LOWRANK_FACTORIES = (scale_lowrank, add_decayed_weights_lowrank, clip_by_global_norm_lowrank, densify_lowrank)
 
 
 def resolve_round_bf16(round_bf16: bool | None, variant: str) -> bool:
@@ -55,6 +88,73 @@ def resolve_round_bf16(round_bf16: bool | None, variant: str) -> bool:
     if not isinstance(round_bf16, (bool, np.bool_)):
         raise TypeError(f"logra: round_bf16 must be a bool or None (the variant's convention), got {round_bf16!r}")
     return bool(round_bf16)
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    """The closure variables of a Python function, by name ({} for anything else)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None:
+        return {}
+    try:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    except ValueError:  # an empty cell
+        return {}
+
+
+def _first_step(fn: Any) -> tuple[bool, str]:
+    """(is fn low-rank-aware, its name), looking through optax's extra-args wrapper, nested (named) chains and
+    inject_hyperparams to the update function that runs first."""
+    for _ in range(32):  # nesting depth bound; deeper than any real chain
+        code, free = getattr(fn, "__code__", None), _closure(fn)
+        if code is _EXTRA_ARGS_CODE and "tx" in free:
+            fn = free["tx"].update
+        elif code is _CHAIN_CODE and free.get("update_fns"):
+            fn = free["update_fns"][0]
+        elif code is _NAMED_CHAIN_CODE and free.get("transforms"):
+            fn = free["transforms"][0][1].update
+        elif code is _INJECT_CODE and "inner_factory" in free:
+            factory = free["inner_factory"]
+            return factory in _LOWRANK_FACTORIES, f"inject_hyperparams({getattr(factory, '__qualname__', factory)})"
+        else:
+            break
+    return is_lowrank_aware(fn), getattr(fn, "__qualname__", repr(fn))
+
+
+def _successor(frame: types.FrameType | None) -> Any:
+    """The update function that receives logra's output in the innermost enclosing optax chain that has one;
+    None when there is none or the frames are not laid out as expected (see the module docstring)."""
+    while frame is not None:
+        code = frame.f_code
+        if code is _CHAIN_CODE or code is _NAMED_CHAIN_CODE:
+            local = frame.f_locals
+            steps = local.get("update_fns") if code is _CHAIN_CODE else local.get("transforms")
+            done = local.get("new_state")
+            if not isinstance(steps, (list, tuple)) or done is None or not len(done) < len(steps):
+                return None  # unrecognised layout: diagnostic only
+            i = len(done)  # the index of the transform now running (it holds logra)
+            if i + 1 < len(steps):
+                nxt = steps[i + 1]
+                return nxt if code is _CHAIN_CODE else nxt[1].update
+        frame = frame.f_back
+    return None
+
+
+def _check_successor(frame: types.FrameType | None) -> None:
+    """Raise ValueError if, walking out from `frame`, a transform that is not low-rank-aware follows logra in an
+    optax chain (see the module docstring); do nothing if none follows or the frames are not recognised.
+
+    Raises:
+      ValueError: naming the successor and saying what to do (MISUSE_ADVICE).
+    """
+    fn = _successor(frame)
+    if fn is None:
+        return
+    ok, name = _first_step(fn)
+    if not ok:
+        raise ValueError(
+            f"logra is followed in an optax chain by {name}, which does not handle LowRankUpdate leaves: "
+            f"{MISUSE_ADVICE} (a transform of your own that handles them: wrap it in "
+            "logra_jax.optim.mark_lowrank_aware)")
 
 
 def target_labels(tree: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES) -> Any:
@@ -85,14 +185,28 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
           non_target_tx: optax.GradientTransformation | None = None,
           round_bf16: bool | None = None,
           kl_control: Mapping[str, Any] | None = None,
-          implementation: Implementation = "xla", interpret: bool = False) -> optax.GradientTransformationExtraArgs:
+          implementation: Implementation = "xla", interpret: bool = False,
+          dense_updates: bool = False) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
     Per target layer l (LOGRA.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
       paper/sgd: W_l ← W_l − bf16(factor · D_l) A_l, factor = update_ratio · sqrt(Σ‖W‖² / Σ‖D A‖²)
       nemo:      W_l ← (1 − lr·wd) W_l − lr · D_l A_l
     bf16(·): the factor rounded at merge time when round_bf16, by default for paper/sgd (their wire format) and
-    not for nemo (NeMo merges the fp32 factor). Apply with `logra_jax.optim.apply_updates`.
+    not for nemo (NeMo merges the fp32 factor). Apply with `logra_jax.optim.apply_updates` (the memory-lean
+    default: target updates stay LowRankUpdate(U, step) and merge layer by layer), or, with dense_updates=True,
+    with `optax.apply_updates` / `nnx.Optimizer`: each target's update is then the dense float32
+      ΔW_l = bf16?(U_l)·A_l   (nemo with decay c: merged W_l − W_l, see LowRankUpdate.to_dense)
+    formed inside the same update, and optax.apply_updates gives the low-rank route's weights bit for bit (fp32
+    and bf16 weights; optax adds W + ΔW in float32 and casts to W's dtype), at the cost of one float32 ΔW per
+    target in the step (experiments/dropin: bytes per route at SmolLM2-135M and Qwen2.5-1.5B).
+    Generic optax transforms belong before logra (on the dense gradient), or after it only with
+    dense_updates=True; in the low-rank route a generic successor raises ValueError at trace time (the module
+    docstring says how it is found), and the low-rank versions (scale_lowrank, add_decayed_weights_lowrank,
+    clip_by_global_norm_lowrank) may follow.
+    With optax.inject_hyperparams name the static arguments: `optax.inject_hyperparams(logra,
+    static_args=("rank", "base_seed"))(rank=16, update_ratio=1e-3)`; update_ratio (and b2, eps, lr,
+    weight_decay) then live in `state.hyperparams` and may change between steps without recompiling.
 
     Args:
       rank: sketch rank r (static).
@@ -116,13 +230,19 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       implementation: "xla" or "pallas": the kernels of RowAdam's row moment (`kernels.row_moment`) and of the
         merge done by `apply_updates` (`kernels.merge`, carried on each LowRankUpdate).
       interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
+      dense_updates: False (default): target updates are LowRankUpdate leaves for `logra_jax.optim.apply_updates`;
+        True: dense float32 ΔW arrays (`densify_lowrank`) for optax.apply_updates / nnx.Optimizer, after which
+        any optax transform may follow. The optimizer state is the same either way.
 
     Returns:
-      An optax.GradientTransformationExtraArgs (an optax.partition; extra args flow to every transform).
+      An optax.GradientTransformationExtraArgs (an optax.partition, then densify_lowrank when dense_updates; extra
+      args flow to every transform).
 
     Raises:
-      ValueError/TypeError: invalid hyperparameters, round_bf16 or implementation, lr missing for nemo or given for
-        paper/sgd, weight_decay for paper/sgd; at init, no target in the params.
+      ValueError/TypeError: invalid hyperparameters, round_bf16, dense_updates or implementation, lr missing for
+        nemo or given for paper/sgd, weight_decay for paper/sgd; at init, no target in the params or a rank
+        wider than a target (`check_rank_fits`); at update (low-rank route), a generic optax transform after
+        logra in a chain.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -135,8 +255,16 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       >>> new = apply_updates(params, updates)
       >>> bool((new["norm"] == params["norm"]).all())
       True
+      >>> import optax
+      >>> dense_tx = logra(rank=4, update_ratio=1e-3, dense_updates=True)
+      >>> dense, _ = dense_tx.update(grads, dense_tx.init(params), params)
+      >>> bool((optax.apply_updates(params, dense)["mlp"]["up_proj"]["kernel"]
+      ...       == new["mlp"]["up_proj"]["kernel"]).all())
+      True
     """
     rules = check_rules(rules)
+    if not isinstance(dense_updates, (bool, np.bool_)):
+        raise TypeError(f"logra: dense_updates must be a bool, got {dense_updates!r}")
     round_bf16 = resolve_round_bf16(round_bf16, variant)
     if variant == "nemo":
         if lr is None:
@@ -161,5 +289,19 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
         negation,
     )
     frozen = optax.set_to_zero() if non_target_tx is None else non_target_tx
-    return optax.partition({TARGET_LABEL: target_tx, NON_TARGET_LABEL: frozen},
-                           lambda tree: target_labels(tree, rules))
+    routed = optax.partition({TARGET_LABEL: target_tx, NON_TARGET_LABEL: frozen},
+                             lambda tree: target_labels(tree, rules))
+    if dense_updates:
+        densify = densify_lowrank()
+
+        def dense_update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+            updates, state = routed.update(updates, state, params, **extra_args)
+            return densify.update(updates, optax.EmptyState(), params)[0], state
+
+        return optax.GradientTransformationExtraArgs(routed.init, dense_update)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        _check_successor(sys._getframe(1))
+        return routed.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(routed.init, update_fn)

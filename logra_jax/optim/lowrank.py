@@ -10,6 +10,15 @@ rounding of U (the "wire" format) is on when `round_bf16` is set. The merge runs
 updated in place; `interpret=True` on CPU). Both compute the same formula but need not agree to the last bit, so
 the implementation is part of the update's static fields: a rollout engine that receives (U, step) and the static
 fields (implementation included) repeats exactly this arithmetic.
+
+The dense route (`to_dense(W)`, used by `densify_lowrank` and `logra(..., dense_updates=True)`) returns a float32
+ΔW such that optax's own merge, W ← dtype_W(float32(W) + ΔW) (`optax.apply_updates` promotes W + ΔW to float32),
+gives the merged weight bit for bit:
+  without decay:  ΔW = bf16?(U)·A                       W + ΔW is the very sum the "xla" merge rounds;
+  with decay c:   ΔW = float32(merge(W)) − float32(W)   exact (Sterbenz) wherever the new weight lies in
+                                                        [W/2, 2W], i.e. for any step smaller than half of W.
+Generic optax transforms cannot act on a LowRankUpdate (they would treat its int32 `step` as a float and do not
+see ΔW = U·A): every consumer here checks the update (`check_step`) and raises MISUSE_ADVICE.
 """
 
 from __future__ import annotations
@@ -37,6 +46,15 @@ from logra_jax.optim.targets import Target
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
+MISUSE_ADVICE = (
+    "generic optax transforms cannot follow logra / scale_by_sketch: they treat a LowRankUpdate's int32 step as a "
+    "float and never see its dense ΔW = U·A. Put generic transforms before logra (they then act on the dense "
+    "gradient), use the low-rank versions after it (logra_jax.optim.scale_lowrank, add_decayed_weights_lowrank, "
+    "clip_by_global_norm_lowrank), or build logra(..., dense_updates=True), whose updates are dense ΔW arrays "
+    "that any optax transform may follow and optax.apply_updates / nnx.Optimizer merge.")
+# Attribute set on the update function of a transform that accepts LowRankUpdate leaves (`mark_lowrank_aware`).
+LOWRANK_AWARE_ATTR = "logra_lowrank_aware"
+
 
 @dataclasses.dataclass(frozen=True)
 class LowRankMeta:
@@ -63,9 +81,13 @@ class LowRankUpdate:
     rank, distribution, refresh, round_bf16, implementation, interpret). The projection of batch slice i is drawn
     for step `step if refresh else 0` and path "target.path.i" (just the path when the target has no batch axes).
 
-    Generic optax transforms treat every leaf as a float: place them before `scale_by_sketch` (on the dense
-    gradient), not after it, or they would also rescale `step`. Post-sketch transforms in logra_jax.optim
-    act on `factor` (and `decay`) only.
+    Generic optax transforms treat every leaf as a float (they would rescale `step`, or fail on it) and never see
+    ΔW: place them before `scale_by_sketch` / `logra` (on the dense gradient). After it, use the low-rank-aware
+    transforms of logra_jax.optim (scale_lowrank, add_decayed_weights_lowrank, clip_by_global_norm_lowrank), which
+    act on `factor` (and `decay`) only, or turn the updates dense with `densify_lowrank()` /
+    `logra(..., dense_updates=True)`. `logra` refuses a generic successor at trace time, every consumer of a
+    LowRankUpdate (apply_updates, to_dense, the update ratio) refuses a broken one (`check_step`), and `W + u`
+    (optax.apply_updates) raises TypeError; each error says this.
 
     Raises:
       TypeError/ValueError: a bad target, rank, distribution, base_seed or implementation, or a factor of the
@@ -121,6 +143,14 @@ class LowRankUpdate:
                 f"step={self.step!r}, decay={self.decay!r}, rank={self.meta.rank}, "
                 f"distribution={self.meta.distribution!r}, refresh={self.meta.refresh})")
 
+    def _refuse_arithmetic(self, other: Any) -> Any:
+        raise TypeError(f"LowRankUpdate for {self.meta.target.path} cannot be added to an array: merge low-rank "
+                        "updates with logra_jax.optim.apply_updates, or build logra(..., dense_updates=True) for "
+                        "optax.apply_updates / nnx.Optimizer. " + MISUSE_ADVICE)
+
+    # optax.apply_updates computes `p + u`: say what to do instead of "unsupported operand type(s)".
+    __add__ = __radd__ = __sub__ = __rsub__ = _refuse_arithmetic
+
     def replace(self, **children: Any) -> LowRankUpdate:
         """A copy with some of the children (factor, step, decay) replaced."""
         unknown = set(children) - {"factor", "step", "decay"}
@@ -140,13 +170,22 @@ class LowRankUpdate:
                                             (self.factor, self.step, self.decay))
 
     def check_step(self) -> None:
-        """Raise TypeError unless `step` is an int32 scalar (a generic float transform after sketching breaks it)."""
+        """Raise TypeError (with MISUSE_ADVICE) unless `step` is an int32 scalar and `factor` a floating array of
+        shape (*batch, *rows, rank): what a generic optax transform placed after the sketch breaks."""
+        m = self.meta
+        t = m.target
+        expected = (*t.batch_shape, *t.rows_shape, m.rank)
         dtype = getattr(self.step, "dtype", None)
         if dtype != jnp.int32 or jnp.shape(self.step) != ():
-            raise TypeError(
-                f"LowRankUpdate for {self.meta.target.path}: step must be an int32 scalar, got {self.step!r}. "
-                "A generic optax transform was probably placed after scale_by_sketch; put it before (on the "
-                "dense gradient) or use the low-rank-aware transforms of logra_jax.optim.")
+            problem = f"step must be an int32 scalar, got {self.step!r}"
+        elif (tuple(jnp.shape(self.factor)) != expected
+              or not jnp.issubdtype(getattr(self.factor, "dtype", np.dtype(object)), jnp.floating)):
+            problem = (f"factor must be a float array of shape {expected} (*batch, *rows, rank), got "
+                       f"{getattr(self.factor, 'dtype', type(self.factor).__name__)}{tuple(jnp.shape(self.factor))}")
+        else:
+            return
+        raise TypeError(f"LowRankUpdate for {t.path}: {problem}. A generic optax transform probably ran after "
+                        f"the sketch: {MISUSE_ADVICE}")
 
     def _draw(self) -> tuple[_Draw, jax.Array, np.ndarray]:
         """Static projection settings, the step the projections are drawn for (0 without refresh), digests."""
@@ -168,31 +207,62 @@ class LowRankUpdate:
         return _gram(*self._draw())
 
     def to_dense(self, weight: jax.Array | None = None) -> jax.Array:
-        """The dense update (weight layout, float32) that `apply_updates` adds: U·A, plus c·W with a decay.
+        """The dense update (weight layout, float32) that adds to W like `apply_updates` merges it.
+
+          no decay:  ΔW = bf16?(U)·A                                   (the very term the merge adds to W)
+          decay c:   ΔW = float32(merge(W)) − float32(W),  merge(W) = dtype_W((1 + c)·W + bf16?(U)·A)
+        so dtype_W(float32(W) + ΔW), which is what `optax.apply_updates(W, ΔW)` computes, is the merged weight
+        bit for bit: without decay always for the "xla" merge (same float32 sum, same rounding; a "pallas" merge
+        agrees to its kernel's rounding), with decay wherever the subtraction is exact (the new weight within
+        [W/2, 2W], e.g. any step smaller than half of W), and otherwise to within a rounding of it.
 
         Args:
           weight: the current weight; required only when `decay` is set.
 
         Raises:
-          ValueError: `decay` is set and `weight` is None.
+          ValueError: `decay` is set and `weight` is None, or `weight` has the wrong shape.
+          TypeError: a broken update (see `check_step`).
         """
         draw, step, digests = self._draw()
-        delta = _dense(draw, self.wire_factor(), step, digests)
+        if self.decay is None:
+            return _dense(draw, self.wire_factor(), step, digests)
+        if weight is None:
+            raise ValueError(f"LowRankUpdate for {self.meta.target.path} has a decay term: to_dense needs "
+                             "the weight")
+        # The merge's own result minus W: exact (Sterbenz) where the new weight is within [W/2, 2W], so W + ΔW
+        # rounds to the merged weight whatever the compiler fuses ((1 + c)·W + U·A may become an FMA).
+        merged = self.merge(weight)
+        return merged.astype(jnp.float32) - jnp.asarray(weight).astype(jnp.float32)
+
+    def dense_norm_sq(self, weight: jax.Array | None = None) -> jax.Array:
+        """‖ΔW‖²_F (float32 scalar) of the dense update ΔW = bf16?(U)·A + c·W without forming it:
+          Σ_l ⟨U_l (A_l A_lᵀ), U_l⟩ + 2c ⟨U_l, W_l A_lᵀ⟩ + c² ‖W_l‖²     (one A_l [r, k] in memory at a time).
+
+        Args:
+          weight: the current weight; required only when `decay` is set.
+
+        Raises:
+          ValueError: `decay` is set and `weight` is None, or `weight` has the wrong shape.
+        """
+        draw, step, digests = self._draw()
         if self.decay is not None:
             if weight is None:
-                raise ValueError(f"LowRankUpdate for {self.meta.target.path} has a decay term: to_dense needs "
+                raise ValueError(f"LowRankUpdate for {self.meta.target.path} has a decay term: its norm needs "
                                  "the weight")
-            delta = delta + self.decay * jnp.asarray(weight, jnp.float32)
-        return delta
+            self._check_weight(weight, "dense_norm_sq")
+        return _norm_sq(draw, self.wire_factor(), step, digests, self.decay, weight)
+
+    def _check_weight(self, weight: jax.Array, where: str) -> None:
+        t = self.meta.target
+        if tuple(jnp.shape(weight)) != t.shape:
+            raise ValueError(f"{where}: parameter {t.path} has shape {tuple(jnp.shape(weight))}, its "
+                             f"low-rank update expects {t.shape}")
 
     def merge(self, weight: jax.Array) -> jax.Array:
         """W ← (1 + c)·W + U·A, one batch slice at a time (never more than one slice's ΔW in memory; with
         implementation "pallas" never more than one block of it)."""
         m = self.meta
-        t = m.target
-        if tuple(jnp.shape(weight)) != t.shape:
-            raise ValueError(f"apply_updates: parameter {t.path} has shape {tuple(jnp.shape(weight))}, its "
-                             f"low-rank update expects {t.shape}")
+        self._check_weight(weight, "apply_updates")
         draw, step, digests = self._draw()
         return _merge(draw, (m.implementation, m.interpret), self.wire_factor(), step, digests, self.decay, weight)
 
@@ -237,6 +307,31 @@ def _dense(draw: _Draw, u: jax.Array, step: jax.Array, digests: jax.Array) -> ja
     u = u.reshape(t.num_slices, *t.rows_shape, draw[2])
     delta = jax.lax.map(lambda xs: _slice_delta(draw, step, *xs), (u, digests))
     return _from_slices(delta, t)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _norm_sq(draw: _Draw, u: jax.Array, step: jax.Array, digests: jax.Array, decay: jax.Array | None,
+             weight: jax.Array | None) -> jax.Array:
+    """‖U·A + c·W‖²_F summed over slices, through A Aᵀ and W Aᵀ (never U·A)."""
+    t, rank = draw[0], draw[2]
+    w, batch, rows, width = t.subscripts
+    slice_w = "".join(c for c in w if c not in batch)
+    u = u.reshape(t.num_slices, *t.rows_shape, rank)
+    w_slices = None if decay is None else to_slices(weight, t)
+
+    def one(i: jax.Array) -> jax.Array:
+        a = slice_projection(draw, step, digests[i])
+        u_i = u[i]
+        gram = jnp.einsum("zk,yk->zy", a, a, precision=_HIGHEST)
+        sq = jnp.einsum(f"{rows}z,zy,{rows}y->", u_i, gram, u_i, precision=_HIGHEST)
+        if decay is None:
+            return sq
+        w_i = w_slices[i].astype(jnp.float32)
+        c = decay.astype(jnp.float32)
+        w_at = jnp.einsum(f"{slice_w},z{width}->{rows}z", w_i, a.reshape(rank, *t.width_shape), precision=_HIGHEST)
+        return sq + 2.0 * c * jnp.sum(u_i * w_at) + c * c * jnp.sum(jnp.square(w_i))
+
+    return jnp.sum(jax.lax.map(one, jnp.arange(t.num_slices)))
 
 
 def _slice_merge_kernel(draw: _Draw, step: jax.Array, u_i: jax.Array, digest_i: jax.Array, w_i: jax.Array,
@@ -293,6 +388,32 @@ def is_lowrank(x: Any) -> bool:
       False
     """
     return isinstance(x, LowRankUpdate)
+
+
+def mark_lowrank_aware(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`tx`, declared able to take LowRankUpdate leaves, so that logra accepts it as its successor in a chain.
+
+    logra refuses (at trace time, see logra_jax.optim.alias) to be followed by a transform not so marked; the
+    low-rank transforms of logra_jax.optim are marked already. Mark your own only if it handles LowRankUpdate
+    leaves (acts on `factor` / `decay`, keeps `step`).
+
+    Example:
+      >>> import optax
+      >>> is_lowrank_aware(mark_lowrank_aware(optax.identity()).update)
+      True
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        return tx.update(updates, state, params, **extra_args)
+
+    setattr(update_fn, LOWRANK_AWARE_ATTR, True)
+    return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def is_lowrank_aware(update_fn: Any) -> bool:
+    """True for the update function of a transform marked by `mark_lowrank_aware` (or built marked)."""
+    return bool(getattr(update_fn, LOWRANK_AWARE_ATTR, False))
 
 
 def apply_updates(params: Any, updates: Any) -> Any:

@@ -1,10 +1,15 @@
-"""Low-rank-aware counterparts of optax.scale / scale_by_learning_rate / add_decayed_weights.
+"""Low-rank-aware counterparts of optax.scale / add_decayed_weights / clip_by_global_norm, and the step to dense.
 
 Generic optax transforms treat every leaf as a float and would also rescale a LowRankUpdate's int32 `step`;
 these act on the factor U (and the decay coefficient c) of low-rank leaves and on plain leaves like optax does:
-  scale_lowrank(η):             U ← η U,  c ← η c,  u ← η u
-  add_decayed_weights_lowrank(λ): c ← c + λ (the dense term c·W of ΔW = U A + c W),  u ← u + λ p
-so chain(add_decayed_weights_lowrank(λ), scale_lowrank(−η)) gives W ← (1 − ηλ) W − η D A (NeMo variant).
+  scale_lowrank(η):                 U ← η U,  c ← η c,  u ← η u
+  add_decayed_weights_lowrank(λ):   c ← c + λ (the dense term c·W of ΔW = U A + c W),  u ← u + λ p
+  clip_by_global_norm_lowrank(m):   all of the above scaled by min(1, m / g),  g² = Σ ‖ΔW‖²_F + Σ ‖u‖²
+                                    (‖U A‖² = ⟨U (A Aᵀ), U⟩: exact, ΔW never formed)
+  densify_lowrank():                each LowRankUpdate → its dense float32 ΔW (`LowRankUpdate.to_dense`)
+so chain(add_decayed_weights_lowrank(λ), scale_lowrank(−η)) gives W ← (1 − ηλ) W − η D A (NeMo variant), and
+after densify_lowrank any optax transform and `optax.apply_updates` work on the updates.
+All four are marked low-rank-aware (`mark_lowrank_aware`): logra accepts them as its successor in a chain.
 """
 
 from __future__ import annotations
@@ -15,7 +20,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+from logra_jax.optim.lowrank import LOWRANK_AWARE_ATTR, LowRankUpdate, is_lowrank
+
+
+def _aware(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+    """Mark a transform built here as taking LowRankUpdate leaves (see `mark_lowrank_aware`)."""
+    setattr(tx.update, LOWRANK_AWARE_ATTR, True)
+    return tx
 
 
 def _scale_tree(updates: Any, step_size: jax.Array | float) -> Any:
@@ -60,7 +71,7 @@ def scale_lowrank(step_size: float | jax.Array | optax.Schedule) -> optax.Gradie
             eta = jnp.asarray(schedule(state.count), jnp.float32)
             return _scale_tree(updates, eta), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
-        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+        return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
     def const_init(params: Any) -> optax.EmptyState:
         del params
@@ -71,7 +82,7 @@ def scale_lowrank(step_size: float | jax.Array | optax.Schedule) -> optax.Gradie
         del params, extra_args
         return _scale_tree(updates, step_size), state
 
-    return optax.GradientTransformationExtraArgs(const_init, const_update)
+    return _aware(optax.GradientTransformationExtraArgs(const_init, const_update))
 
 
 def add_decayed_weights_lowrank(weight_decay: float | jax.Array) -> optax.GradientTransformationExtraArgs:
@@ -118,4 +129,109 @@ def add_decayed_weights_lowrank(weight_decay: float | jax.Array) -> optax.Gradie
             return jax.tree.map(lowrank, updates, is_leaf=is_lowrank), state
         return jax.tree.map(one, updates, params, is_leaf=lambda x: x is None or is_lowrank(x)), state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def _empty_init(params: Any) -> optax.EmptyState:
+    del params
+    return optax.EmptyState()
+
+
+def _map_with_weights(fn: Any, updates: Any, params: Any, where: str) -> Any:
+    """fn(update, weight) over the leaves of `updates` (LowRankUpdate, None and MaskedNode are leaves); `params`
+    may be None only when no low-rank leaf carries a decay term (the weight is then None)."""
+    is_leaf = lambda x: x is None or is_lowrank(x) or isinstance(x, optax.MaskedNode)
+    if params is None:
+        if any(is_lowrank(u) and u.decay is not None for u in jax.tree.leaves(updates, is_leaf=is_lowrank)):
+            raise ValueError(f"{where}: low-rank updates with a decay term need params: call "
+                             "update(updates, state, params)")
+        return jax.tree.map(lambda u: fn(u, None), updates, is_leaf=is_leaf)
+    return jax.tree.map(fn, updates, params, is_leaf=is_leaf)
+
+
+def clip_by_global_norm_lowrank(max_norm: float | jax.Array) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm on updates holding LowRankUpdate leaves, by the exact norm of their dense ΔW.
+
+      g² = Σ_low-rank ‖ΔW‖²_F + Σ_plain ‖u‖²,   ΔW = bf16?(U)·A + c·W   (`LowRankUpdate.dense_norm_sq`:
+                                                   ⟨U (A Aᵀ), U⟩ + 2c⟨U, W Aᵀ⟩ + c²‖W‖², never U·A)
+      every update ← min(1, max_norm / g) · update    (U ← sU, c ← sc, u ← su)
+    Unchanged (bit for bit) when g ≤ max_norm.
+
+    Args:
+      max_norm: the largest global norm let through, > 0 (an array under inject_hyperparams).
+
+    Returns:
+      An optax.GradientTransformationExtraArgs with EmptyState; needs `params` only for updates with a decay.
+
+    Raises:
+      ValueError: max_norm <= 0; at update, params missing while a low-rank update has a decay term.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from logra_jax.optim.sketch import scale_by_sketch
+      >>> params = {"q_proj": {"kernel": jnp.ones((8, 4))}}
+      >>> tx = optax.chain(scale_by_sketch(rank=2), clip_by_global_norm_lowrank(1e-3))
+      >>> u, _ = tx.update(params, tx.init(params))
+      >>> round(float(jnp.linalg.norm(u["q_proj"]["kernel"].to_dense())), 6)
+      0.001
+    """
+    if isinstance(max_norm, (int, float)) and not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm_lowrank: max_norm must be > 0, got {max_norm!r}")
+
+    def update_fn(updates: Any, state: optax.EmptyState, params: Any = None, **extra_args: Any
+                  ) -> tuple[Any, optax.EmptyState]:
+        del extra_args
+        def norm_sq(u: Any, w: Any) -> Any:
+            if is_lowrank(u):
+                return u.dense_norm_sq(w)
+            if u is None or isinstance(u, optax.MaskedNode):
+                return None
+            return jnp.sum(jnp.square(jnp.asarray(u, jnp.float32)))
+
+        pieces = jax.tree.leaves(_map_with_weights(norm_sq, updates, params, "clip_by_global_norm_lowrank"))
+        g = jnp.sqrt(sum(pieces, jnp.zeros((), jnp.float32)))
+        scale = jnp.where(g <= max_norm, 1.0, max_norm / jnp.where(g > 0, g, 1.0)).astype(jnp.float32)
+        return _scale_tree(updates, scale), state
+
+    return _aware(optax.GradientTransformationExtraArgs(_empty_init, update_fn))
+
+
+def densify_lowrank() -> optax.GradientTransformationExtraArgs:
+    """Replace every LowRankUpdate by its dense float32 ΔW (`LowRankUpdate.to_dense`); plain leaves pass.
+
+      ΔW = bf16?(U)·A                        (no decay)
+      ΔW = float32(merge(W)) − float32(W)    (decay c; merge(W) = dtype_W((1 + c)·W + bf16?(U)·A))
+    `optax.apply_updates(params, updates)` (and so `nnx.Optimizer.update`) then gives the weights that
+    `logra_jax.optim.apply_updates` gives on the low-rank updates: bit for bit for float32 and bfloat16 weights
+    (optax adds W + ΔW in float32 and casts to W's dtype, as the merge does; with a decay term wherever the new
+    weight lies within [W/2, 2W]). Costs one float32 ΔW per target inside the step: see experiments/dropin.
+    The last transform of `logra(..., dense_updates=True)`; any optax transform may follow it.
+
+    Returns:
+      An optax.GradientTransformationExtraArgs with EmptyState; needs `params` only for updates with a decay.
+
+    Raises:
+      ValueError: at update, params missing while a low-rank update has a decay term.
+      TypeError: a broken LowRankUpdate (a generic transform ran before this one; see `check_step`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from logra_jax.optim.sketch import scale_by_sketch
+      >>> from logra_jax.optim.lowrank import apply_updates
+      >>> params = {"q_proj": {"kernel": jnp.ones((8, 4))}}
+      >>> low = optax.chain(scale_by_sketch(rank=2), scale_lowrank(-1e-3))
+      >>> dense = optax.chain(low, densify_lowrank())
+      >>> u_low, _ = low.update(params, low.init(params))
+      >>> u_dense, _ = dense.update(params, dense.init(params))
+      >>> bool((optax.apply_updates(params, u_dense)["q_proj"]["kernel"]
+      ...       == apply_updates(params, u_low)["q_proj"]["kernel"]).all())
+      True
+    """
+
+    def update_fn(updates: Any, state: optax.EmptyState, params: Any = None, **extra_args: Any
+                  ) -> tuple[Any, optax.EmptyState]:
+        del extra_args
+        dense = lambda u, w: u.to_dense(w) if is_lowrank(u) else u
+        return _map_with_weights(dense, updates, params, "densify_lowrank"), state
+
+    return _aware(optax.GradientTransformationExtraArgs(_empty_init, update_fn))

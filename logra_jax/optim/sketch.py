@@ -26,6 +26,7 @@ from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
     Target,
     TargetRule,
+    check_rank_fits,
     check_rules,
     find_targets,
     match_target,
@@ -94,7 +95,8 @@ def scale_by_sketch(rank: int, base_seed: int = 42, distribution: Distribution =
 
     Raises:
       TypeError/ValueError: bad rank, base_seed, distribution, rules, implementation or interpret; at
-        init/update when no parameter matches the rules or a match cannot be viewed as a matrix.
+        init/update when no parameter matches the rules or a match cannot be viewed as a matrix; at init when
+        the rank exceeds a target's width (`check_rank_fits`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -114,7 +116,7 @@ def scale_by_sketch(rank: int, base_seed: int = 42, distribution: Distribution =
     merge_settings = dict(implementation=implementation, interpret=interpret)
 
     def init_fn(params: Any) -> SketchState:
-        find_targets(params, rules)
+        check_rank_fits(find_targets(params, rules), rank)
         return SketchState(count=place_replicated(jnp.zeros((), jnp.int32), params))
 
     def update_fn(updates: Any, state: SketchState, params: Any = None, **extra_args: Any

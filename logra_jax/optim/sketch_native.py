@@ -32,7 +32,7 @@ from logra_jax.kernels.backend import Implementation, check_implementation, chec
 from logra_jax.kernels.project import sketched_linear
 from logra_jax.models.layers import Linear
 from logra_jax.optim.projection import digest_words, key_from_digest, projection
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, TargetRule, find_targets
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, TargetRule, check_rank_fits, find_targets
 
 
 class SketchProbe(nnx.Variable):
@@ -133,10 +133,12 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec,
       The targets found, by canonical path ("blocks.attn.q_proj.kernel").
 
     Raises:
-      ValueError: no target matches, or a target is not the kernel of a Linear with rows on the last axis and
-        the width on the one before (sketch-native mode needs the layer to own its matmul).
+      ValueError: no target matches, spec.rank exceeds a target's width (`check_rank_fits`), or a target is not
+        the kernel of a Linear with rows on the last axis and the width on the one before (sketch-native mode
+        needs the layer to own its matmul).
     """
     targets = find_targets(nnx.state(model, nnx.Param), rules)
+    check_rank_fits(targets, spec.rank)
     for path, target in targets.items():
         owner, _, leaf = path.rpartition(".")
         module = _module_at(model, owner) if owner else model

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -314,6 +314,41 @@ def find_targets(params: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES
     if not found:
         raise ValueError(f"no parameter matches the target rules {_rules_text(rules)}")
     return found
+
+
+def check_rank_fits(targets: Mapping[str, Target] | Iterable[Target], rank: int) -> None:
+    """Raise ValueError if the sketch rank r exceeds the width k of any target.
+
+    The projection A [r, k] of a target spans at most k directions: with r > k the sketch S = G Aᵀ [d, r] has
+    r − k redundant columns (memory and compute for nothing) and RowAdam's moments are no longer those of a
+    rank-r sketch. k is the product of the target's width axes (`Target.k`, from its MatrixDims).
+
+    Args:
+      targets: {path: Target} as returned by `find_targets`, or Targets.
+      rank: the sketch rank r.
+
+    Raises:
+      ValueError: naming the narrowest target (path, shape, width k) when `rank` exceeds it, and how many are
+        narrower than the rank.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> targets = find_targets({"q_proj": {"kernel": jnp.zeros((8, 4))}})
+      >>> check_rank_fits(targets, 8)
+      >>> check_rank_fits(targets, 16)
+      Traceback (most recent call last):
+      ...
+      ValueError: rank 16 exceeds the width k = 8 of target 'q_proj.kernel' (shape (8, 4), width axes (0,); ...
+    """
+    values = targets.values() if isinstance(targets, Mapping) else targets
+    narrow = [t for t in values if rank > t.k]
+    if narrow:
+        t = min(narrow, key=lambda x: x.k)  # the narrowest (the first of them in order on a tie)
+        raise ValueError(
+            f"rank {rank} exceeds the width k = {t.k} of target {t.path!r} (shape {t.shape}, width axes "
+            f"{t.dims.width}; {len(narrow)} target(s) narrower than the rank): the projection A [r, k] spans at "
+            f"most k directions. Choose rank <= {min(x.k for x in narrow)}, or leave such parameters out of the "
+            "target rules.")
 
 
 def _named_sharding(x: Any) -> NamedSharding | None:
