@@ -14,10 +14,13 @@ Quick: python -m logra_jax.main --config=configs/demo.py:runlocal --workdir=/tmp
 
 import ml_collections
 
-from logra_jax.run_config import RunConfig
+from logra_jax.run_config import RunConfig, check_variant
+
+VARIANTS = ("", "runlocal")
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
+    check_variant(__file__, arg, VARIANTS)
     c = ml_collections.ConfigDict(RunConfig().to_dict())  # every field, so any can be overridden on the CLI
     c.optimizer.round_bf16 = ml_collections.config_dict.placeholder(bool)  # None: the variant's own; CLI-settable
     c.model.update(preset="tiny", tokenizer="char", init_seed=0,

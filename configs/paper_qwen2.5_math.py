@@ -17,13 +17,13 @@ quick smoke run of the same recipe.
 
 import ml_collections
 
-from logra_jax.run_config import RunConfig
+from logra_jax.run_config import RunConfig, check_variant
+
+VARIANTS = ("1.5b", "7b", "1.5b,runlocal", "7b,runlocal")
 
 
 def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
-    size, _, variant = arg.partition(",")
-    if size not in ("1.5b", "7b"):
-        raise ValueError(f"configs/paper_qwen2.5_math.py: size must be '1.5b' or '7b', got {size!r}")
+    size, _, variant = check_variant(__file__, arg, VARIANTS).partition(",")
     c = ml_collections.ConfigDict(RunConfig().to_dict())
     c.model.update(preset=f"qwen2.5-{size}", checkpoint="", tokenizer="checkpoint",
                    overrides=dict(dtype="bfloat16", remat="full", attention_impl="chunked", max_seq_len=4096))
@@ -42,6 +42,4 @@ def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
         c.task.eval_size = 16
         c.optimizer.probe_responses = 2
         c.train.update(steps=2, microbatches=2, eval_every=0, checkpoint_every=0, mesh_fsdp=1)
-    elif variant:
-        raise ValueError(f"configs/paper_qwen2.5_math.py: unknown variant {variant!r} (only 'runlocal')")
     return c

@@ -11,10 +11,13 @@ Quick: python -m logra_jax.main --config=configs/smollm2_arithmetic.py:runlocal 
 import ml_collections
 
 from logra_jax.models.chat_demo import smollm2_gguf_path
-from logra_jax.run_config import RunConfig
+from logra_jax.run_config import RunConfig, check_variant
+
+VARIANTS = ("", "runlocal")
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
+    check_variant(__file__, arg, VARIANTS)
     c = ml_collections.ConfigDict(RunConfig().to_dict())
     c.optimizer.round_bf16 = ml_collections.config_dict.placeholder(bool)  # None: the variant's own; CLI-settable
     c.model.update(checkpoint=str(smollm2_gguf_path()), tokenizer="checkpoint", overrides=dict(max_seq_len=256))
@@ -30,6 +33,4 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.rollout.update(prompts_per_step=2, num_samples=2, max_new_tokens=8)
         c.optimizer.probe_responses = 2
         c.train.update(steps=2, microbatches=1, eval_every=0, checkpoint_every=0)
-    elif arg:
-        raise ValueError(f"configs/smollm2_arithmetic.py: unknown variant {arg!r} (only 'runlocal')")
     return c

@@ -271,7 +271,9 @@ class OptimizerSection:
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
     """steps of RL updates, gradient-accumulation microbatches, seed, evaluation / checkpoint / log periods
-    (0 = never), checkpoints kept, and the device mesh (data × fsdp × tensor; 1×1×1 = one device)."""
+    (0 = never), checkpoints kept, and the device mesh (data × fsdp × tensor; 1×1×1 = one device). Resuming:
+    resume_step picks the checkpoint (-1 = the newest; newer ones are moved aside, not deleted); with
+    resume_fallback an unreadable newest checkpoint is moved aside, loudly, and the next older one is tried."""
 
     steps: int = 100
     microbatches: int = 1
@@ -283,9 +285,12 @@ class TrainSection:
     mesh_data: int = 1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
+    resume_step: int = -1
+    resume_fallback: bool = False
 
     def validate(self) -> None:
         _check_range("train", "steps", self.steps, 1)
+        _check_range("train", "resume_step", self.resume_step, -1)
         _check_range("train", "microbatches", self.microbatches, 1)
         _check_range("train", "seed", self.seed, 0)
         for name in ("eval_every", "checkpoint_every"):
@@ -393,3 +398,14 @@ def _build(section_cls: type, values: Mapping[str, Any], section: str) -> Any:
             _fail(f"{section}.{name}", value, f"must be a {want.__name__}")
         kwargs[name] = value
     return section_cls(**kwargs)
+
+
+def check_variant(config_file: str, arg: str, variants: tuple[str, ...]) -> str:
+    """`arg`, the variant in `--config=<config_file>:<arg>`, if it is one of the config's `variants` ("" = none).
+
+    Raises:
+      ValueError: an unknown variant, naming the config file, the variant given and the valid ones.
+    """
+    if arg not in variants:
+        raise ValueError(f"{config_file}: unknown variant {arg!r}; valid variants: {list(variants)}")
+    return arg

@@ -145,7 +145,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
             infos.append((name, dims, take("<I"), take("<Q")))
     except (struct.error, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
-    alignment = int(fields.get("general.alignment", 32))
+    alignment = fields.get("general.alignment", 32)
+    if type(alignment) is not int or alignment <= 0:
+        raise ValueError(f"{path}: general.alignment={alignment!r} is not a positive integer")
     start = -(-pos // alignment) * alignment
     tensors = {}
     for name, dims, type_id, offset in infos:
@@ -154,6 +156,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         except ValueError:
             raise ValueError(f"{path}: tensor {name!r} has unknown type id {type_id}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if not dims or dims[0] % block:
+            raise ValueError(f"{path}: tensor {name!r} has dims {dims}; {qtype.name} needs at least one dimension "
+                             f"with the first a multiple of {block}")
         row_bytes = dims[0] // block * type_size
         rows = tuple(reversed(dims[1:]))
         nbytes = row_bytes * int(np.prod(rows, dtype=np.int64))

@@ -32,6 +32,7 @@ from flax import nnx
 
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import Decoder, abstract_model
+from logra_jax.models.jsonfile import read_json_object
 from logra_jax.models.tokenizer import Tokenizer
 
 # config.json "architectures" entry → ModelConfig.architecture (Qwen2 = Llama with q/k/v bias).
@@ -146,9 +147,11 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **over
       ValueError: unknown architecture, unsupported feature (activation, sliding window, o_proj bias, rope type),
         missing or out-of-range field — the message names the file and the field.
     """
-    archs = list(hf.get("architectures") or [])
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+    archs = hf.get("architectures")
+    if not archs:
+        raise ValueError(f"{source}: missing field 'architectures' (one of {sorted(ARCHITECTURES)})")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"{source}: unsupported architecture {archs!r}; "
                          f"supported: {sorted(ARCHITECTURES)}")
     architecture = ARCHITECTURES[archs[0]]
     bad_overrides = sorted(set(overrides) - set(RUNTIME_FIELDS))
@@ -170,7 +173,10 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **over
         raise ValueError(f"{source}: attention_bias=true (Llama o_proj bias) is not supported")
     if architecture == "qwen2" and field("use_sliding_window", False):
         raise ValueError(f"{source}: use_sliding_window=true is not supported")
-    rope = dict(field("rope_parameters", None) or field("rope_scaling", None) or {})
+    rope_key = "rope_parameters" if field("rope_parameters", None) else "rope_scaling"
+    rope = field(rope_key, None) or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"{source}: field {rope_key!r} is {rope!r}, not an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, linear, llama3)")
@@ -232,11 +238,17 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
     return hf
 
 
+def _naturals(values: Any) -> bool:
+    """Whether a parsed JSON value is a list of non-negative integers (a shape or a byte range)."""
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
+
+
 class SafetensorsFile:
     """One .safetensors file, memory-mapped; `get(name)` returns a view (bytes are read when touched).
 
-    Raises FileNotFoundError for a missing file and ValueError, naming the file and tensor, for a truncated
-    header or data section, a corrupt header, an unsupported dtype, or a byte range that does not fit the shape.
+    Raises FileNotFoundError for a missing file and ValueError, naming the file (and the tensor and field), for a
+    truncated header or data section, a header that is not a JSON object of {"dtype", "shape", "data_offsets"}
+    entries, an unsupported dtype, or a byte range outside the data or not fitting the shape.
     """
 
     def __init__(self, path: str | Path):
@@ -256,24 +268,42 @@ class SafetensorsFile:
                 header = json.loads(f.read(header_len))
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
                 raise ValueError(f"{self.path}: corrupt safetensors header ({err})") from err
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: corrupt safetensors header (a JSON {type(header).__name__}, not an "
+                             "object of tensor entries)")
         header.pop("__metadata__", None)
         data_len = size - 8 - header_len
-        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        for name, entry in header.items():
-            if entry["dtype"] not in _ST_DTYPES:
-                raise ValueError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}; "
-                                 f"supported: {sorted(_ST_DTYPES)}")
-            dtype, shape = _ST_DTYPES[entry["dtype"]], tuple(entry["shape"])
-            start, end = entry["data_offsets"]
-            if end > data_len:
-                raise ValueError(f"{self.path}: truncated: tensor {name!r} ends at data byte {end} but the file "
-                                 f"holds {data_len} data bytes")
-            if end - start != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{self.path}: tensor {name!r} spans {end - start} bytes, but shape {shape} "
-                                 f"of {entry['dtype']} needs {math.prod(shape) * dtype.itemsize}")
-            self._entries[name] = (dtype, shape, start, end)
+        self._entries = {name: self._entry(name, entry, data_len) for name, entry in header.items()}
         self._data = (np.memmap(self.path, np.uint8, mode="r", offset=8 + header_len, shape=(data_len,))
                       if data_len else np.zeros(0, np.uint8))
+
+    def _entry(self, name: str, entry: Any, data_len: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        """(dtype, shape, start, end) of one header entry, validated against the data section's length."""
+        fields = ("dtype", "shape", "data_offsets")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{self.path}: tensor {name!r}: header entry {entry!r} is not an object with "
+                             f"{', '.join(fields)}")
+        missing = [k for k in fields if k not in entry]
+        if missing:
+            raise ValueError(f"{self.path}: tensor {name!r}: header entry lacks {', '.join(map(repr, missing))}")
+        if not isinstance(entry["dtype"], str) or entry["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}; "
+                             f"supported: {sorted(_ST_DTYPES)}")
+        if not _naturals(entry["shape"]):
+            raise ValueError(f"{self.path}: tensor {name!r}: shape {entry['shape']!r} is not a list of "
+                             "non-negative integers")
+        offsets = entry["data_offsets"]
+        if not _naturals(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise ValueError(f"{self.path}: tensor {name!r}: data_offsets {offsets!r} is not [start, end] with "
+                             "0 <= start <= end")
+        dtype, shape, (start, end) = _ST_DTYPES[entry["dtype"]], tuple(entry["shape"]), offsets
+        if end > data_len:
+            raise ValueError(f"{self.path}: truncated: tensor {name!r} ends at data byte {end} but the file "
+                             f"holds {data_len} data bytes")
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{self.path}: tensor {name!r} spans {end - start} bytes, but shape {shape} "
+                             f"of {entry['dtype']} needs {math.prod(shape) * dtype.itemsize}")
+        return dtype, shape, start, end
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -307,7 +337,13 @@ def _open_checkpoint(directory: Path) -> dict[str, SafetensorsFile]:
     """Tensor name → the file holding it, for model.safetensors or a sharded model.safetensors.index.json."""
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = read_json_object(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: field 'weight_map' is {weight_map!r}, not an object mapping tensor "
+                             "names to shard file names")
+        bad = next((name for name, file in weight_map.items() if not isinstance(file, str)), None)
+        if bad is not None:
+            raise ValueError(f"{index_path}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a shard file name")
         files = {f: SafetensorsFile(directory / f) for f in sorted(set(weight_map.values()))}
         for name, file in weight_map.items():
             if name not in files[file].names():
@@ -338,7 +374,7 @@ def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Shard
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {directory}" if directory.is_dir()
                                 else f"checkpoint directory not found: {directory}")
-    config = config_from_hf(json.loads(config_path.read_text()), source=str(config_path), **overrides)
+    config = config_from_hf(read_json_object(config_path), source=str(config_path), **overrides)
     files = _open_checkpoint(directory)
 
     def read(name: str) -> np.ndarray:

@@ -24,6 +24,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from logra_jax.models.jsonfile import read_json_object
+
 Message = Mapping[str, str]
 
 # Character-level vocabulary: special tokens first, then a fixed alphabet (ids never change between versions).
@@ -159,16 +161,19 @@ class Tokenizer:
         """The tokenizer of a Hugging Face model directory (tokenizer.json + tokenizer_config.json).
 
         The chat template comes from tokenizer_config.json or chat_template.jinja; token fields may be strings
-        or AddedToken dicts. Raises FileNotFoundError when tokenizer.json is missing and ValueError when
-        tokenizer_config.json names no eos token.
+        or AddedToken dicts. Raises FileNotFoundError when tokenizer.json is missing and ValueError, naming the
+        file, when tokenizer.json is unreadable, tokenizer_config.json is not a JSON object or names no eos token.
         """
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {directory}")
-        backend = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as err:  # the Rust library raises a bare Exception ("expected value at line 1 ...")
+            raise ValueError(f"{path}: not a readable tokenizer.json ({err})") from err
         config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = read_json_object(config_path) if config_path.is_file() else {}
 
         def token(name: str) -> str | None:
             value = config.get(name)

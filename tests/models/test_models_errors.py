@@ -3,6 +3,7 @@ the `safetensors` package on every dtype it accepts."""
 
 import json
 import shutil
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -13,6 +14,7 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
 from logra_jax import models
+from logra_jax.models.gguf import read_gguf
 from logra_jax.models.hf import SafetensorsFile
 
 
@@ -143,3 +145,104 @@ def test_safetensors_reader_agrees_with_the_safetensors_package(tmp_path):
     save_torch({"i": torch.arange(4)}, tmp_path / "int.safetensors")
     with pytest.raises(ValueError, match=r"int\.safetensors: tensor 'i' has dtype I64"):
         SafetensorsFile(tmp_path / "int.safetensors")
+
+
+def _write_safetensors(path, header, data=b""):
+    blob = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize(("header", "pattern"), [
+    ([1, 2], r"x\.safetensors: corrupt safetensors header \(a JSON list"),
+    ({"w": {"shape": [1], "data_offsets": [0, 4]}}, r"x\.safetensors: tensor 'w': header entry lacks 'dtype'"),
+    ({"w": {"dtype": "F32"}}, r"x\.safetensors: tensor 'w': header entry lacks 'shape', 'data_offsets'"),
+    ({"w": 7}, r"x\.safetensors: tensor 'w': header entry 7 is not an object"),
+    ({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, r"x\.safetensors: tensor 'w' has dtype \["),
+    ({"w": {"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}}, r"tensor 'w': shape '1' is not a list"),
+    ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, r"tensor 'w': shape \[-1\] is not a list"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, r"tensor 'w': data_offsets \[-4, 0\] is not"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, r"tensor 'w': data_offsets \[0, 4, 8\]"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}}, r"tensor 'w': data_offsets \['0', '4'\]"),
+])
+def test_garbled_safetensors_header_names_file_tensor_and_field(tmp_path, header, pattern):
+    _write_safetensors(tmp_path / "x.safetensors", header, bytes(8))
+    with pytest.raises(ValueError, match=pattern):
+        SafetensorsFile(tmp_path / "x.safetensors")
+
+
+def test_garbled_weights_of_a_checkpoint_name_the_file(checkpoint):
+    _write_safetensors(checkpoint / "model.safetensors", {"model.norm.weight": {"dtype": "F32", "shape": [32]}})
+    with pytest.raises(ValueError, match=r"ckpt/model\.safetensors: tensor 'model\.norm\.weight': header entry "
+                                         r"lacks 'data_offsets'"):
+        models.load(checkpoint)
+
+
+@pytest.mark.parametrize(("text", "pattern"), [
+    ('{"architectures": ["LlamaForCausalLM"],\n "vocab_size": 64,,}',
+     r"ckpt/config\.json: not valid JSON: Expecting property name enclosed in double quotes at line 2, column 19"),
+    ("", r"ckpt/config\.json: not valid JSON: Expecting value at line 1, column 1"),
+    ('["LlamaForCausalLM"]', r"ckpt/config\.json: expected a JSON object, got an array"),
+])
+def test_config_json_that_is_not_a_json_object_names_file_line_and_column(checkpoint, text, pattern):
+    (checkpoint / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=pattern):
+        models.load(checkpoint)
+
+
+def test_config_json_that_is_not_utf8_names_the_file(checkpoint):
+    (checkpoint / "config.json").write_bytes(b'{"vocab_size": "\xff"}')
+    with pytest.raises(ValueError, match=r"ckpt/config\.json: not UTF-8 text \(byte 16"):
+        models.load(checkpoint)
+
+
+@pytest.mark.parametrize(("changes", "pattern"), [
+    ({"architectures": None}, r"config\.json: missing field 'architectures' \(one of \['LlamaForCausalLM'"),
+    ({"architectures": "LlamaForCausalLM"}, r"config\.json: unsupported architecture 'LlamaForCausalLM'"),
+    ({"architectures": [["LlamaForCausalLM"]]}, r"config\.json: unsupported architecture \[\['LlamaForCausalLM"),
+    ({"rope_parameters": "linear"}, r"config\.json: field 'rope_parameters' is 'linear', not an object"),
+])
+def test_config_json_missing_or_mistyped_field_is_named(checkpoint, changes, pattern):
+    _edit_config(checkpoint, **changes)
+    with pytest.raises(ValueError, match=pattern):
+        models.load(checkpoint)
+
+
+@pytest.mark.parametrize(("text", "pattern"), [
+    ("{", r"model\.safetensors\.index\.json: not valid JSON: Expecting property name .* at line 1, column 2"),
+    ('{"metadata": {}}', r"model\.safetensors\.index\.json: field 'weight_map' is None, not an object"),
+    ('{"weight_map": {"model.norm.weight": 3}}', r"index\.json: weight_map\['model\.norm\.weight'\] is 3, not a shard"),
+])
+def test_garbled_shard_index_names_the_file_and_field(checkpoint, text, pattern):
+    (checkpoint / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=pattern):
+        models.load(checkpoint)
+
+
+def test_garbled_tokenizer_files_are_named(checkpoint):
+    models.char_tokenizer().save(checkpoint)
+    (checkpoint / "tokenizer_config.json").write_text("{'eos_token': '<eos>'}")
+    with pytest.raises(ValueError, match=r"ckpt/tokenizer_config\.json: not valid JSON: .* line 1, column 2"):
+        models.load(checkpoint)
+    (checkpoint / "tokenizer.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"ckpt/tokenizer\.json: not a readable tokenizer\.json"):
+        models.load(checkpoint)
+
+
+def _write_gguf(path, fields=b"", n_fields=0, dims=(4,)):
+    """A GGUF v3 file by hand: `fields` (raw key/value bytes) and one F32 tensor 'w' of `dims`, zero-filled."""
+    def string(s):
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    info = string("w") + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, 0)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, n_fields) + fields + info
+    path.write_bytes(head + bytes(-len(head) % 32 + 64))
+
+
+def test_garbled_gguf_tensor_info_and_alignment_are_named(tmp_path):
+    _write_gguf(tmp_path / "nodims.gguf", dims=())
+    with pytest.raises(ValueError, match=r"nodims\.gguf: tensor 'w' has dims \[\]; F32 needs at least one"):
+        read_gguf(tmp_path / "nodims.gguf")
+    alignment = struct.pack("<Q", 17) + b"general.alignment" + struct.pack("<II", 4, 0)  # uint32 0
+    _write_gguf(tmp_path / "align.gguf", alignment, n_fields=1)
+    with pytest.raises(ValueError, match=r"align\.gguf: general\.alignment=0 is not a positive integer"):
+        read_gguf(tmp_path / "align.gguf")

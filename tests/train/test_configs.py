@@ -34,7 +34,7 @@ def test_paper_recipe_needs_a_checkpoint_and_data(arg):
     run = RunConfig.from_dict(config)
     assert (run.optimizer.rank, run.optimizer.update_ratio, run.algorithm.tis_cap) == (256, 6e-5, 2.0)
     assert (run.algorithm.estimator, run.rollout.num_samples, run.algorithm.reward_incorrect) == ("reinforce", 1, -0.01)
-    with pytest.raises(ValueError, match="size must be"):
+    with pytest.raises(ValueError, match="unknown variant '3b'"):
         load("paper_qwen2.5_math.py", "3b")
 
 
