@@ -33,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,11 +179,14 @@ class CheckpointManager:
       save_every: `save(step, ...)` writes when step % save_every == 0, when `force=True`, or when JAX reports a
         preemption (multi-host runs with the preemption service); otherwise it returns False.
       async_save: write in a background thread after copying the arrays to host (`wait_until_finished` joins it).
-      create: create `directory` when missing; with False a missing directory raises FileNotFoundError.
+      create: create `directory` when missing and check that it can be written (a read-only or full location
+        fails here, not at the first save, whose failure orbax reports only from its background threads); with
+        False a missing directory raises FileNotFoundError and nothing is checked (restore-only use).
 
     Raises:
       ValueError: keep or save_every not a positive integer.
       FileNotFoundError: `directory` is missing and create=False.
+      CheckpointError: create=True and `directory` cannot be created or written (names it and the OS error).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -203,6 +208,8 @@ class CheckpointManager:
         self.directory = epath.Path(directory) if "://" in str(directory) else epath.Path(Path(directory).absolute())
         if not create and not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
+        if create:  # before orbax starts its background threads, whose own errors would follow ours
+            _check_writable(self.directory)
         self.keep = keep
         self.save_every = save_every
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, cleanup_tmp_directories=True,
@@ -214,6 +221,32 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def check_for_errors(self) -> None:
+        """Raise the error of a finished background save, without waiting for one in progress.
+
+        Raises:
+          CheckpointError: a background save failed (names the directory and the error).
+        """
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {type(e).__name__}: "
+                                  f"{_first_line(e)}") from e
+
+    def set_aside(self, step: int, destination: str | Path) -> Path:
+        """Move checkpoint `step` out of the manager's directory into `destination`/<step>-<time> (kept, not
+        deleted) so that the run can resume from an older step and later write `step` again.
+
+        Returns:
+          Where the checkpoint now is.
+        """
+        self.wait_until_finished()
+        target = Path(destination) / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(str(self.step_dir(step)), target)
+        self._manager.reload()
+        return target
 
     def step_dir(self, step: int) -> epath.Path:
         """The directory of checkpoint `step` (whether or not it exists)."""
@@ -258,7 +291,8 @@ class CheckpointManager:
         Raises:
           ValueError: negative step, or a checkpoint for `step` exists already.
           TypeError: data_state / extra not JSON-serialisable, or a state leaf of an unsupported dtype.
-          CheckpointError: orbax failed to start the save (names the step directory).
+          CheckpointError: an earlier background save failed, the directory cannot be written now, or orbax
+            failed to start the save (names the directory or the step directory).
         """
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be a non-negative integer, got {step!r}")
@@ -269,6 +303,11 @@ class CheckpointManager:
             return False
         if step in self.all_steps():
             raise ValueError(f"CheckpointManager.save: checkpoint {self.step_dir(step)} exists already")
+        # A save orbax cannot write fails in its background threads and is reported one save late (or never,
+        # by a last save): surface an earlier save's failure, and probe the directory now, so that a read-only
+        # or full location stops the run at this save.
+        self.check_for_errors()
+        _check_writable(self.directory)
         keyed, treedef = jax.tree_util.tree_flatten_with_path(state_tree)
         paths = [jax.tree_util.keystr(p) for p, _ in keyed]
         leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in keyed]
@@ -358,6 +397,17 @@ class CheckpointManager:
         """Finish pending saves and release orbax's resources."""
         self.wait_until_finished()
         self._manager.close()
+
+
+def _check_writable(directory: epath.Path) -> None:
+    """Create `directory` and a probe file in it (then remove the file); CheckpointError naming it otherwise."""
+    probe = directory / f".write-probe-{jax.process_index()}-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except Exception as e:
+        raise CheckpointError(f"checkpoint directory {directory} is not writable: {type(e).__name__}: {e}") from e
 
 
 def _first_line(e: BaseException) -> str:

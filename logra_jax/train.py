@@ -16,7 +16,7 @@ checkpoint reproduces the uninterrupted run bit for bit.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,8 +29,17 @@ from flax import nnx
 
 from logra_jax import metrics as metrics_lib
 from logra_jax.builders import build_model, build_tasks
-from logra_jax.checkpoint import CheckpointManager
-from logra_jax.optimizers import build_optimizer
+from logra_jax.checkpoint import CheckpointError, CheckpointManager
+from logra_jax.lifecycle import (
+    RunPreempted,
+    StopRequests,
+    check_resume,
+    describe_changes,
+    read_json,
+    record_config,
+    write_json_atomic,
+)
+from logra_jax.optimizers import build_optimizer, check_optimizer_fits
 from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
 from logra_jax.rl.evaluation import greedy_accuracy
 from logra_jax.rl.losses import LossConfig
@@ -101,21 +110,122 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     reward_fn: (response text, Problem) -> float replacing the task's outcome reward (time-limited like it; a
     call that raises or runs too long scores 0 and is counted in the `reward_failures` metric).
 
+    Resuming: the newest checkpoint (or `train.resume_step`; with `train.resume_fallback` the newest readable
+    one, loudly) is restored when the config's RESUME_FIXED fields (logra_jax.lifecycle) equal the saved run's;
+    other changed fields are logged. A finished run (summary.json and a checkpoint at `train.steps`) is not
+    re-run. SIGTERM / SIGINT stop the run at the next step boundary after a checkpoint (RunPreempted). log.txt
+    ends with a `stopped:` line saying why the run ended.
+
     Returns:
       Summary: accuracy_before / accuracy_after (held-out greedy), steps, seconds, final reward.
 
     Raises:
-      ValueError: invalid config (names the field and value).
+      ValueError: invalid config (names the field and value), a config change that a checkpoint cannot take,
+        `train.steps` below the newest checkpoint, a mesh larger than the devices, or a KL probe without
+        generated tokens (names the step).
       metrics.NonFiniteMetricError: a guarded metric became NaN/inf (names the step and metric).
       KLRefusalError: the KL controller refused 3 consecutive updates (non-finite or negative predicted q).
-      ValueError: a KL probe without generated tokens (names the step).
-      checkpoint.CheckpointError / FileNotFoundError: an unreadable checkpoint in workdir.
+      lifecycle.RunPreempted: a SIGTERM / SIGINT stopped the run (after checkpointing the step it names).
+      checkpoint.CheckpointError / FileNotFoundError: an unwritable checkpoint directory, a failed save, or an
+        unreadable checkpoint (names the directory, the step and what to set to resume from another one).
     """
     run = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(run.to_dict(), indent=2, sort_keys=True))
+    log = metrics_lib.Logger(workdir)
+    with StopRequests() as stop:
+        try:
+            summary = _train_and_evaluate(run, workdir, log, stop, reward_fn)
+        except RunPreempted as e:
+            log(f"stopped: preempted: {e}; run the same command again to resume")
+            raise
+        except metrics_lib.NonFiniteMetricError as e:
+            log(f"stopped: {e}")
+            raise
+        except BaseException as e:
+            log(f"stopped: error: {type(e).__name__}: {e}")
+            raise
+    return summary
+
+
+def _check_devices(run: RunConfig) -> None:
+    """The mesh must fit the devices this process sees (checked before any work)."""
+    t = run.train
+    needed = t.mesh_data * t.mesh_fsdp * t.mesh_tensor
+    if needed > jax.device_count():
+        raise ValueError(f"config.train.mesh_data × mesh_fsdp × mesh_tensor = {t.mesh_data} × {t.mesh_fsdp} × "
+                         f"{t.mesh_tensor} = {needed} devices, but this process sees {jax.device_count()} "
+                         f"({jax.default_backend()})")
+
+
+def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: metrics_lib.Logger
+                 ) -> tuple[list[int], dict[str, Any] | None]:
+    """Which checkpoints to try (newest first) and, for a finished run, its summary (then nothing is to be done).
+
+    Also checks the saved config against this one and records this start (config.json, config_history.jsonl).
+    """
+    steps = ckpt.all_steps()
+    summary_path = workdir / "summary.json"
+    summary = read_json(summary_path, "run summary") if summary_path.exists() else None
+    current = run.to_dict()
+    if not steps:
+        if summary is not None:  # finished without checkpoints: nothing to continue from
+            if summary.get("steps") == run.train.steps:
+                log(f"stopped: the run in {workdir} already finished {run.train.steps} steps (summary.json); "
+                    "nothing to do")
+                return [], summary
+            raise ValueError(f"config.train.steps = {run.train.steps}: the run in {workdir} finished "
+                             f"{summary.get('steps')} steps without checkpoints (train.checkpoint_every = 0), so it "
+                             "cannot be continued; use a new workdir")
+        record_config(workdir, current, start_step=0, changes=None)
+        return [], None
+    config_path = workdir / "config.json"
+    changes = check_resume(read_json(config_path, "saved config"), current, str(workdir)) \
+        if config_path.exists() else {}
+    if run.train.resume_step >= 0:
+        if run.train.resume_step not in steps:
+            raise ValueError(f"config.train.resume_step = {run.train.resume_step}: no checkpoint of that step in "
+                             f"{ckpt.directory} (steps on disk: {steps})")
+        candidates = [run.train.resume_step]
+    else:
+        candidates = steps[::-1] if run.train.resume_fallback else [steps[-1]]
+    if candidates[0] > run.train.steps:
+        raise ValueError(f"config.train.steps = {run.train.steps} is below the step of the checkpoint to resume "
+                         f"({ckpt.step_dir(candidates[0])}); raise train.steps, set train.resume_step, or use a "
+                         "new workdir")
+    if candidates[0] == run.train.steps and summary is not None and summary.get("steps") == run.train.steps:
+        log(f"stopped: the run in {workdir} already finished {run.train.steps} steps (summary.json, checkpoint "
+            f"{candidates[0]}); nothing to do")
+        return [], summary
+    if changes:
+        log(f"resuming with a changed config: {describe_changes(changes)}")
+    record_config(workdir, current, start_step=candidates[0], changes=changes)
+    return candidates, None
+
+
+def _train_and_evaluate(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests,
+                        reward_fn: RewardFn | None) -> dict[str, float]:
+    _check_devices(run)
+    ckpt = CheckpointManager(workdir / "checkpoints", keep=run.train.keep_checkpoints,  # checks it is writable
+                             save_every=run.train.checkpoint_every or run.train.steps + 1)
+    opened: list[Any] = [ckpt]  # closed in reverse order; quietly when an error is on its way out
+    try:
+        summary = _run(run, workdir, log, stop, reward_fn, ckpt, opened)
+    except BaseException:
+        _close_quietly(*reversed(opened))
+        raise
+    for resource in reversed(opened):
+        resource.close()
+    return summary
+
+
+def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests, reward_fn: RewardFn | None,
+         ckpt: CheckpointManager, opened: list[Any]) -> dict[str, Any]:
     wall_start = time.perf_counter()
+    candidates, finished = _resume_plan(run, workdir, ckpt, log)
+    if finished is not None:
+        return finished
+    resume_step = candidates[0] if candidates else None
 
     model, tokenizer = build_model(run.model)
     fmt = PromptFormat(run.task.prompt_style)
@@ -129,18 +239,22 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     greedy_cfg = SamplingConfig(max_new_tokens=run.rollout.max_new_tokens, eos_id=tokenizer.eos_id,
                                 pad_id=tokenizer.pad_id, num_samples=1, temperature=0.0)
 
-    ckpt = CheckpointManager(workdir / "checkpoints", keep=run.train.keep_checkpoints,
-                             save_every=run.train.checkpoint_every or run.train.steps + 1)
-    resume_step = ckpt.latest_step()
+    check_optimizer_fits(run.optimizer, model)
     writer = metrics_lib.MetricsWriter(workdir)
+    opened.append(writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
-    log = metrics_lib.Logger(workdir)
     if resume_step is None and run.sft.steps:
         log(f"SFT warm start: {run.sft.steps} steps on {len(tasks.sft_problems)} easier problems")
         sft_len = prompt_len + run.rollout.max_new_tokens
+        def stop_during_sft(step: int, metrics: dict[str, float]) -> None:
+            del metrics
+            if stop.signum is not None:
+                raise RunPreempted(stop.signum, None, f" during the SFT warm start (at SFT step {step + 1}; SFT is "
+                                                      "not checkpointed, so the next run repeats it)")
+
         warm_start = lambda: supervised_warm_start(model, tokenizer, fmt, tasks.sft_problems, run.sft, sft_len,
-                                                   seed=run.train.seed)
+                                                   seed=run.train.seed, on_step=stop_during_sft)
         if run.sft.cache_dir:  # the warm start depends only on these: compute it once, start every run from it
             settings = run.to_dict()
             key = {"model": settings["model"], "task": settings["task"], "seed": run.train.seed, "length": sft_len,
@@ -193,7 +307,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
 
     if resume_step is not None:
         abstract = (abstract_sharded(state, state_sh), est_state)
-        (state, est_state), data_state, extra = ckpt.restore(resume_step, abstract=abstract)
+        (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
         data_iter.set_state(data_state)
         writer.truncate_after(resume_step)
         accuracy_before = extra["accuracy_before"]
@@ -202,6 +316,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     # Rollouts come from the engine, whose weights follow the trainer's through low-rank policy sync;
     # held-out evaluation decodes greedily with the trainer's own weights.
     engine = rollout_engine(run.rollout.workers, model.config, rollout_cfg)
+    opened.append(engine)
     sync = PolicySync(engine.sync, state.params, version=int(state.step), trained=plan.dense_paths(state.params))
     greedy = Sampler(model, greedy_cfg)
     def evaluate(show: str = "") -> float:
@@ -221,79 +336,122 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     base_key = jax.random.key(run.train.seed)
     start = resume_step or 0  # loop steps; state.step counts applied updates (a refused step applies none)
     progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL")
+    opened.append(progress)
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
     n = run.rollout.num_samples
     refusals = 0
-    try:
-        for step in range(start, run.train.steps):
-            t0 = time.perf_counter()
-            problems = next(data_iter)
-            prompts, mask = encode_prompts(problems, tokenizer, fmt, prompt_len)
-            rollout = engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
-            texts = decode_responses(np.asarray(rollout.tokens), np.asarray(rollout.response_mask), tokenizer,
-                                     prompt_len)
-            rewards, reward_stats = score_responses([fmt.scoring_text(t) for t in texts],
-                                                    [p for p in problems for _ in range(n)], config=reward_cfg,
-                                                    reward_fn=reward_fn)
-            lengths = {"lengths": jnp.asarray(rollout.lengths)} if run.algorithm.whiten == "token" else {}
-            advantages, est_state = estimator.update(jnp.asarray(rewards), est_state, **lengths)
-            advantages = np.asarray(advantages)
-            if run.algorithm.dynamic_sampling:
-                advantages = advantages * np.asarray(dynamic_sampling_mask(jnp.asarray(rewards), n))
-            t_rollout = time.perf_counter() - t0
-            batch = _rl_batch(rollout, advantages)
-            if ref_logprobs is not None:
-                batch["ref_logprobs"] = ref_logprobs(batch)
-            probe = None
-            if plan.kl_probe is not None:
-                rows = probe_rows(run.rollout.prompts_per_step, n, run.optimizer.probe_responses,
-                                  (run.train.seed, step))
-                probe = _probe_batch(rollout, rows, step + 1)
-            state, out, updates = step_fn(state, rest, batch, probe)
-            report = sync.push(updates, state.params)
-            out = {k: float(v) for k, v in jax.device_get(out).items()}
-            out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
-            out.update(reward_mean=float(rewards.mean()),
-                       accuracy=float(np.mean(rewards >= reward_cfg.correct)),
-                       response_length=float(np.asarray(rollout.lengths).mean()),
-                       truncated=float(1.0 - np.asarray(rollout.finished).mean()),
-                       reward_failures=float(reward_stats.num_failed + reward_stats.num_timed_out),
-                       rollout_time=t_rollout, step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
-            if out.get("kl_refused"):
-                refusals += 1
-                log(f"RL step {step + 1}: the KL controller refused the update (predicted q = {out['kl_q']}); "
-                    f"nothing was changed ({refusals} in a row, {int(out['kl_skipped'])} in all)")
-                if refusals >= MAX_CONSECUTIVE_REFUSALS:
-                    raise KLRefusalError(f"RL step {step + 1}: the KL controller refused {refusals} consecutive "
-                                         f"updates (last predicted q = {out['kl_q']}); stopping")
-                metrics_lib.check_finite(step + 1, out, tuple(m for m in GUARDED if m != "kl_q"))
-            else:
-                refusals = 0
-                metrics_lib.check_finite(step + 1, out, GUARDED)
-            if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
-                out["eval_accuracy"] = evaluate()
-            if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:
-                writer.write(step + 1, out)
-            progress.update(step + 1, out)
-            # Called every step: the manager saves every `checkpoint_every` steps and on preemption.
-            ckpt.save(step + 1, (state, est_state), data_state=data_iter.get_state(),
-                      extra={"accuracy_before": accuracy_before})
-        accuracy_after = evaluate(show="after RL")
-    finally:
-        progress.close()
-        engine.close()
-        ckpt.close()
+    for step in range(start, run.train.steps):
+        t0 = time.perf_counter()
+        problems = next(data_iter)
+        prompts, mask = encode_prompts(problems, tokenizer, fmt, prompt_len)
+        rollout = engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
+        texts = decode_responses(np.asarray(rollout.tokens), np.asarray(rollout.response_mask), tokenizer,
+                                 prompt_len)
+        rewards, reward_stats = score_responses([fmt.scoring_text(t) for t in texts],
+                                                [p for p in problems for _ in range(n)], config=reward_cfg,
+                                                reward_fn=reward_fn)
+        lengths = {"lengths": jnp.asarray(rollout.lengths)} if run.algorithm.whiten == "token" else {}
+        advantages, est_state = estimator.update(jnp.asarray(rewards), est_state, **lengths)
+        advantages = np.asarray(advantages)
+        if run.algorithm.dynamic_sampling:
+            advantages = advantages * np.asarray(dynamic_sampling_mask(jnp.asarray(rewards), n))
+        t_rollout = time.perf_counter() - t0
+        batch = _rl_batch(rollout, advantages)
+        if ref_logprobs is not None:
+            batch["ref_logprobs"] = ref_logprobs(batch)
+        probe = None
+        if plan.kl_probe is not None:
+            rows = probe_rows(run.rollout.prompts_per_step, n, run.optimizer.probe_responses,
+                              (run.train.seed, step))
+            probe = _probe_batch(rollout, rows, step + 1)
+        state, out, updates = step_fn(state, rest, batch, probe)
+        report = sync.push(updates, state.params)
+        out = {k: float(v) for k, v in jax.device_get(out).items()}
+        out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
+        out.update(reward_mean=float(rewards.mean()),
+                   accuracy=float(np.mean(rewards >= reward_cfg.correct)),
+                   response_length=float(np.asarray(rollout.lengths).mean()),
+                   truncated=float(1.0 - np.asarray(rollout.finished).mean()),
+                   reward_failures=float(reward_stats.num_failed + reward_stats.num_timed_out),
+                   rollout_time=t_rollout, step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
+        if out.get("kl_refused"):
+            refusals += 1
+            log(f"RL step {step + 1}: the KL controller refused the update (predicted q = {out['kl_q']}); "
+                f"nothing was changed ({refusals} in a row, {int(out['kl_skipped'])} in all)")
+            if refusals >= MAX_CONSECUTIVE_REFUSALS:
+                raise KLRefusalError(f"RL step {step + 1}: the KL controller refused {refusals} consecutive "
+                                     f"updates (last predicted q = {out['kl_q']}); stopping")
+            metrics_lib.check_finite(step + 1, out, tuple(m for m in GUARDED if m != "kl_q"))
+        else:
+            refusals = 0
+            metrics_lib.check_finite(step + 1, out, GUARDED)
+        if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
+            out["eval_accuracy"] = evaluate()
+        if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:
+            writer.write(step + 1, out)
+        progress.update(step + 1, out)
+        # Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice;
+        # the final step and a stop request (SIGTERM / SIGINT) always save when checkpoints are on.
+        last = step + 1 == run.train.steps
+        must = stop.signum is not None or (last and run.train.checkpoint_every > 0)
+        ckpt.save(step + 1, (state, est_state), data_state=data_iter.get_state(),
+                  extra={"accuracy_before": accuracy_before}, force=must and not ckpt.should_save(step + 1))
+        ckpt.check_for_errors()  # a failed background save stops the run here, naming the directory
+        if stop.signum is not None and not last:
+            ckpt.wait_until_finished()
+            raise RunPreempted(stop.signum, step + 1)
+    accuracy_after = evaluate(show="after RL")
     steps_done = run.train.steps
     writer.write(steps_done, {"eval_accuracy": accuracy_after})
-    writer.close()
+    for resource in reversed(opened):  # the final checkpoint written, the metrics file complete
+        resource.close()
+    opened.clear()
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
                "seconds": time.perf_counter() - wall_start, "prompt_length": prompt_len}
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json_atomic(workdir / "summary.json", summary)
     metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy", "eval_accuracy"],
                             workdir / "reward_curve.png",
                             title=f"RL with {run.optimizer.name}: held-out accuracy {accuracy_before:.2f} → "
                                   f"{accuracy_after:.2f}")
     log(f"held-out accuracy after RL: {accuracy_after:.3f} (before: {accuracy_before:.3f}); "
         f"{summary['seconds']:.0f} s")
+    log(f"stopped: finished {steps_done} steps")
     return summary
+
+
+def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, workdir: Path,
+             log: metrics_lib.Logger) -> tuple[Any, dict[str, Any], dict[str, Any], int]:
+    """Restore the first readable checkpoint of `candidates` (newest first); checkpoints newer than it are moved
+    to workdir/checkpoints_set_aside (kept) so that the resumed run can write those steps again.
+
+    Raises:
+      CheckpointError: the (last) candidate is unreadable; the message says which config fields pick another.
+    """
+    for i, step in enumerate(candidates):
+        try:
+            tree, data_state, extra = ckpt.restore(step, abstract=abstract)
+        except CheckpointError as e:
+            others = [s for s in ckpt.all_steps() if s != step]
+            if i + 1 < len(candidates):
+                moved = ckpt.set_aside(step, workdir / "checkpoints_set_aside")
+                log(f"WARNING: {e}; moved it to {moved} and falling back to checkpoint {candidates[i + 1]} "
+                    "(config.train.resume_fallback)")
+                continue
+            hint = (f"; to resume from an older checkpoint set config.train.resume_step to one of {others} or "
+                    "config.train.resume_fallback=True") if others else ""
+            raise CheckpointError(f"{e}{hint}") from e
+        for newer in [s for s in ckpt.all_steps() if s > step]:
+            moved = ckpt.set_aside(newer, workdir / "checkpoints_set_aside")
+            log(f"resuming from checkpoint {step}: the newer checkpoint {newer} was moved to {moved}")
+        return tree, data_state, extra, step
+    raise AssertionError("unreachable: no candidate checkpoints")
+
+
+def _close_quietly(*closables: Any) -> None:
+    """Close everything while an error is on its way out: a second error (e.g. the failed save again) must not
+    replace the first."""
+    for c in closables:
+        with contextlib.suppress(Exception):  # the error in flight is the one to report
+            c.close()
+

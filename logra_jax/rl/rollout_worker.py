@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -442,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="LoGRA rollout worker (started by WorkerProcessTransport)")
     parser.add_argument("--connect", required=True, help="HOST:PORT the trainer listens on")
     args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group: the trainer stops at its next step boundary and then
+    # shuts this worker down itself, so the worker must not die under it mid-rollout.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     host, port = args.connect.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.settimeout(None)

@@ -1,0 +1,40 @@
+"""Shared by the main-job tests: a tiny run config and its metrics without the machine-dependent timings."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Metrics that measure the machine, not the run.
+TIMING = ("step_time", "rollout_time", "sync_time", "host_rss_bytes", "host_peak_rss_bytes")
+
+
+def make_tiny_config(**sections):
+    config = {
+        "model": {"preset": "tiny", "overrides": {"max_seq_len": 16}},
+        "task": {"kind": "arithmetic", "difficulty": 1, "operations": "+", "train_size": 64, "eval_size": 4,
+                 "prompt_style": "compact"},
+        "rollout": {"prompts_per_step": 2, "num_samples": 2, "max_new_tokens": 3},
+        "optimizer": {"name": "logra", "rank": 4, "update_ratio": 1e-2},
+        "train": {"steps": 3, "microbatches": 2},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config
+
+
+def metrics_of(workdir):
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """make_tiny_config(**sections): the tiny model on one-digit additions, 3 LoGRA steps, sections overridable."""
+    return make_tiny_config
+
+
+@pytest.fixture(scope="session")
+def read_metrics():
+    """metrics_of(workdir): metrics.jsonl's records without the timing and memory fields."""
+    return metrics_of
