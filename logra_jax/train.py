@@ -158,6 +158,15 @@ def _check_devices(run: RunConfig) -> None:
                          f"({jax.default_backend()})")
 
 
+def _log_finished(log: metrics_lib.Logger, workdir: Path, summary: dict[str, Any], evidence: str) -> None:
+    """Say that the run in `workdir` is finished, what it measured, and how to train again."""
+    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    if isinstance(before, (int, float)) and isinstance(after, (int, float)):
+        log(f"held-out accuracy after RL: {after:.3f} (before: {before:.3f}), from {workdir / 'summary.json'}")
+    log(f"stopped: the run in {workdir} already finished {summary.get('steps')} steps ({evidence}); nothing to do "
+        f"(to train again, remove {workdir} or pass another --workdir; to train longer, raise train.steps)")
+
+
 def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: metrics_lib.Logger
                  ) -> tuple[list[int], dict[str, Any] | None]:
     """Which checkpoints to try (newest first) and, for a finished run, its summary (then nothing is to be done).
@@ -171,8 +180,7 @@ def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: me
     if not steps:
         if summary is not None:  # finished without checkpoints: nothing to continue from
             if summary.get("steps") == run.train.steps:
-                log(f"stopped: the run in {workdir} already finished {run.train.steps} steps (summary.json); "
-                    "nothing to do")
+                _log_finished(log, workdir, summary, "summary.json")
                 return [], summary
             raise ValueError(f"config.train.steps = {run.train.steps}: the run in {workdir} finished "
                              f"{summary.get('steps')} steps without checkpoints (train.checkpoint_every = 0), so it "
@@ -194,8 +202,7 @@ def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: me
                          f"({ckpt.step_dir(candidates[0])}); raise train.steps, set train.resume_step, or use a "
                          "new workdir")
     if candidates[0] == run.train.steps and summary is not None and summary.get("steps") == run.train.steps:
-        log(f"stopped: the run in {workdir} already finished {run.train.steps} steps (summary.json, checkpoint "
-            f"{candidates[0]}); nothing to do")
+        _log_finished(log, workdir, summary, f"summary.json, checkpoint {candidates[0]}")
         return [], summary
     if changes:
         log(f"resuming with a changed config: {describe_changes(changes)}")

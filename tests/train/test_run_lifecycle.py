@@ -127,6 +127,49 @@ def test_a_save_failing_mid_run_stops_the_run_within_seconds(tmp_path, tiny_conf
     assert "stopped: error: CheckpointError" in stop_lines(ckpt.parent)[-1]
 
 
+DRIVER_SWAP = """
+import os, time
+from absl import app
+import logra_jax.train as train
+from logra_jax import main
+
+real, calls = train.score_responses, [0]
+
+def score_then_swap_the_directory(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 3:  # RL step 3: once checkpoint 2 is committed, the directory is replaced by a file
+        for _ in range(600):
+            if os.path.isdir(os.path.join({ckpt!r}, "2")):
+                break
+            time.sleep(0.1)
+        os.replace({ckpt!r}, {ckpt!r} + ".moved")
+        with open({ckpt!r}, "w") as f:
+            f.write("not a directory")
+    return real(*args, **kwargs)
+
+train.score_responses = score_then_swap_the_directory
+app.run(main.main, argv=["main", "--config={config}", "--workdir={workdir}"])
+"""
+
+
+def test_a_checkpoint_directory_gone_mid_run_stops_the_run_at_the_next_save(tmp_path, tiny_config, read_metrics):
+    """The unprivileged counterpart of the read-only remount: the next save's probe fails and names the path."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    driver = tmp_path / "driver.py"
+    config = write_config(tiny_config, tmp_path / "c.py")
+    driver.write_text(DRIVER_SWAP.format(ckpt=str(ckpt), config=config, workdir=ckpt.parent))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, env=env(), timeout=240,
+                          cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert time.monotonic() - start < 180
+    assert "CheckpointError" in last_line(proc.stderr) and f"{ckpt} is not writable" in last_line(proc.stderr)
+    steps = [r["step"] for r in read_metrics(ckpt.parent) if "loss" in r]
+    assert max(steps) == 4  # the save after step 4 failed: no step 5
+    assert "stopped: error: CheckpointError" in stop_lines(ckpt.parent)[-1]
+    assert (tmp_path / "run" / "checkpoints.moved" / "2").is_dir()  # what was saved before is intact
+
+
 # ---------------------------------------------------------------- preemption
 
 
@@ -219,7 +262,8 @@ def test_rerunning_a_finished_run_does_nothing(finished_run, tmp_path):
     summary = train_and_evaluate(config, workdir)
     assert summary == json.loads(before[workdir / "summary.json"])
     assert {p: p.read_bytes() for p in before} == before  # no second evaluation line, no new run time
-    assert "already finished 4 steps" in stop_lines(workdir)[-1]
+    assert "already finished 4 steps" in stop_lines(workdir)[-1] and "pass another --workdir" in stop_lines(workdir)[-1]
+    assert "held-out accuracy after RL" in (workdir / "log.txt").read_text().splitlines()[-2]  # the result, again
 
 
 def test_fewer_steps_than_the_checkpoint_is_a_clear_error(finished_run, tmp_path):
