@@ -4,12 +4,13 @@ The model and optimizer state exist only as shapes (`jax.eval_shape`); the step 
 the training loop runs, with the REINFORCE + TIS objective of `logra_jax.rl.objective` — is lowered from abstract
 sharded inputs and compiled for the mesh, and XLA's analysis gives per-device bytes
   total = argument + output + temp − alias        (`logra_jax.sharding.step_memory`).
+`build_rl_step` gives the same step with real arrays (experiments/device/step_check.py runs it on a GPU).
 Used by experiments/memory/run.py and colab/memory_analysis.ipynb.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -26,10 +27,64 @@ from logra_jax.run_config import OptimizerSection
 from logra_jax.train_step import TrainState, make_train_step
 
 
+def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:
+    """The optimizers the memory and device experiments compare, as a run config names them.
+
+    adamw: every parameter; adamw_targets: exactly LoGRA's targets, the rest frozen (like for like); galore
+    (optax.contrib); adafactor; LoGRA in dense-gradient mode, sketch-native, and sketch-native with the
+    predicted-KL controller (set its `probe_responses` for the mesh: the paper probes 2 sequences per device).
+    """
+    return {
+        "adamw": OptimizerSection(name="adamw", learning_rate=1e-6),
+        "adamw_targets": OptimizerSection(name="adamw", learning_rate=1e-6, targets_only=True),
+        "galore": OptimizerSection(name="galore", learning_rate=1e-6, rank=rank),
+        "adafactor": OptimizerSection(name="adafactor", learning_rate=1e-6),
+        "logra_dense_grad": OptimizerSection(name="logra", rank=rank, sketch_native=False),
+        "logra_sketch_native": OptimizerSection(name="logra", rank=rank, sketch_native=True),
+        "logra_sketch_native_kl": OptimizerSection(name="logra", rank=rank, sketch_native=True, kl_control=True),
+    }
+
+
 def paper_numerics(name: str, seq_len: int = 4096) -> ModelConfig:
     """The preset at the paper's numerics: bf16 compute, fp32 weights, full remat per block, chunked attention."""
     return preset(name, dtype="bfloat16", remat="full", attention_impl="chunked", attention_chunk=512,
                   max_seq_len=max(seq_len, preset(name).max_seq_len))
+
+
+def build_rl_step(config: ModelConfig, optimizer: OptimizerSection, data_parallel: int, *, seq_len: int = 4096,
+                  prompt_len: int = 512, rows_per_device: int = 1, logprob_chunk: int = 512,
+                  return_updates: bool = False
+                  ) -> tuple[Callable[[], tuple[TrainState, nnx.State]], Callable[..., Any], dict[str, Any]]:
+    """The training loop's RL step for `optimizer` on `config`: (init, step, abstract batch).
+
+    init() -> (TrainState, rest) builds the model and optimizer state (trace it with `jax.eval_shape` for shapes
+    only, or jit and call it for real arrays); step(state, rest, batch) -> (state, metrics) is `make_train_step`
+    with the REINFORCE + TIS objective; batch holds `rows_per_device · data_parallel` sequences of `seq_len`
+    tokens (`prompt_len` of them prompt) and, with optimizer.kl_control, the predicted-KL probe under "probe"
+    (`optimizer.probe_responses` sequences, rounded up to a multiple of `data_parallel`) beside "main".
+    With `return_updates` the step also returns the update tree the loop syncs to the rollout engine.
+    """
+    built: dict[str, Any] = {}
+
+    def init() -> tuple[TrainState, nnx.State]:
+        model = init_model(config)
+        built["plan"] = plan = build_optimizer(optimizer, model)  # attaches sketch probes when LoGRA needs them
+        built["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
+        return TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32)), rest
+
+    jax.eval_shape(init)  # traced once: the plan and graph definition exist, no array is allocated
+    plan = built["plan"]
+    loss_fn = make_policy_loss_fn(LossConfig(policy="reinforce", tis_cap=2.0), prompt_len, chunk=logprob_chunk)
+    step = make_train_step(built["graphdef"], loss_fn, plan.tx, mode=plan.mode, trainable=plan.trainable,
+                           targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16,
+                           kl_probe=plan.kl_probe, return_updates=return_updates)
+    batch = rl_batch_shapes(rows_per_device * data_parallel, prompt_len, seq_len - prompt_len)
+    if plan.kl_probe is None:
+        return init, step, batch
+    # predicted-KL control: the step also reads the probe responses (as the loop's `_probe_batch` builds them)
+    probe = probe_batch_shapes(-(-optimizer.probe_responses // data_parallel) * data_parallel, seq_len)
+    return (init, lambda state, rest, b: step(state, rest, b["main"], probe=b["probe"]),
+            {"main": batch, "probe": probe})
 
 
 def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.sharding.Mesh, *,
@@ -51,24 +106,6 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
     Returns:
       {"argument", "output", "temp", "alias", "total"} in bytes per device.
     """
-    built: dict[str, Any] = {}
-
-    def init() -> tuple[TrainState, nnx.State]:
-        model = init_model(config)
-        built["plan"] = plan = build_optimizer(optimizer, model)  # attaches sketch probes when LoGRA needs them
-        built["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
-        return TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32)), rest
-
-    jax.eval_shape(init)  # traced once: the plan and graph definition exist, no array is allocated
-    plan = built["plan"]
-    loss_fn = make_policy_loss_fn(LossConfig(policy="reinforce", tis_cap=2.0), prompt_len, chunk=logprob_chunk)
-    step = make_train_step(built["graphdef"], loss_fn, plan.tx, mode=plan.mode, trainable=plan.trainable,
-                           targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16,
-                           kl_probe=plan.kl_probe)
-    batch = rl_batch_shapes(rows_per_device * mesh.size, prompt_len, seq_len - prompt_len)
-    if plan.kl_probe is None:
-        return shd.step_memory(step, init, batch, mesh, compiler_options=compiler_options)
-    # predicted-KL control: the step also reads the probe responses (as the loop's `_probe_batch` builds them)
-    probe = probe_batch_shapes(-(-optimizer.probe_responses // mesh.size) * mesh.size, seq_len)
-    return shd.step_memory(lambda state, rest, b: step(state, rest, b["main"], probe=b["probe"]), init,
-                           {"main": batch, "probe": probe}, mesh, compiler_options=compiler_options)
+    init, step, batch = build_rl_step(config, optimizer, mesh.size, seq_len=seq_len, prompt_len=prompt_len,
+                                      rows_per_device=rows_per_device, logprob_chunk=logprob_chunk)
+    return shd.step_memory(step, init, batch, mesh, compiler_options=compiler_options)

@@ -39,8 +39,7 @@ from pathlib import Path
 import jax
 
 from logra_jax import sharding as shd
-from logra_jax.memory_analysis import paper_numerics, rl_step_memory
-from logra_jax.run_config import OptimizerSection
+from logra_jax.memory_analysis import contender_sections, paper_numerics, rl_step_memory
 
 MODELS = {  # results key → preset
     "SmolLM2-135M": "smollm2-135m",
@@ -59,15 +58,7 @@ LOGPROB_CHUNK = 512
 GIB = 2.0 ** 30
 
 # The optimizers compared, as a run config would name them (logra_jax.optimizers builds them).
-OPTIMIZER_SECTIONS = {
-    "adamw": OptimizerSection(name="adamw", learning_rate=1e-6),
-    "adamw_targets": OptimizerSection(name="adamw", learning_rate=1e-6, targets_only=True),
-    "galore": OptimizerSection(name="galore", learning_rate=1e-6, rank=RANK),
-    "adafactor": OptimizerSection(name="adafactor", learning_rate=1e-6),
-    "logra_dense_grad": OptimizerSection(name="logra", rank=RANK, sketch_native=False),
-    "logra_sketch_native": OptimizerSection(name="logra", rank=RANK, sketch_native=True),
-    "logra_sketch_native_kl": OptimizerSection(name="logra", rank=RANK, sketch_native=True, kl_control=True),
-}
+OPTIMIZER_SECTIONS = contender_sections(RANK)
 
 
 def measure(model: str, devices: int, optimizer: str, fast: bool, tensor: int = 1) -> dict[str, int]:

@@ -1,19 +1,22 @@
 """What every Pallas kernel of logra_jax shares: the implementation switch, block sizes, edge masks, compiler params.
 
-The kernels are portable Pallas (`pl.pallas_call` with a grid and BlockSpecs, jnp ops inside). They run
-- in interpret mode anywhere (`interpret=True`; the only mode on CPU, where tests run them), and
-- compiled by Mosaic TPU on TPUs, with the dimension semantics given here (reductions on the last, "arbitrary"
-  grid axes; an output block that is revisited stays resident in VMEM and is written back once).
-Mosaic GPU (the default GPU lowering of `pallas_call` since jax 0.10) has no rule for `dot_general` or for
-reductions along the minor axis, so these kernels do not lower on GPUs (checked by cross-lowering with jax 0.10.2);
-a GPU version needs plgpu-specific kernels (wgmma on swizzled SMEM tiles); `check_pallas_platform` says so up
-front instead of failing inside the lowering. On TPUs the kernels lower (checked by cross-lowering on CPU) but have
-not yet been compiled, timed or checked for numerics on a chip, so `default_implementation()` answers "xla"
-everywhere: Pallas is opt-in (`implementation="pallas"`) until a TPU run verifies it.
+`implementation="pallas"` selects, by JAX's default backend (`pallas_target`):
+- TPU: the portable kernels of merge.py, row_moment.py and project.py (`pl.pallas_call` with a grid and
+  BlockSpecs, jnp ops inside), compiled by Mosaic TPU with the dimension semantics given here (reductions on the
+  last, "arbitrary" grid axes; an output block that is revisited stays resident in VMEM and is written back once).
+- GPU (CUDA): the kernels of gpu.py, lowered through Triton and written for GPU grids (K loops inside programs,
+  a split reduction for S = HᵀP, power-of-2 masked tiles); Mosaic GPU, the default GPU lowering of `pallas_call`,
+  has no rule for the TPU kernels' `dot_general` and minor-axis reductions.
+- interpret=True: the TPU kernels in the Pallas interpreter, anywhere (the GPU kernels run interpreted through
+  gpu.py's own functions); CPU has no compiled Pallas.
+Both sets lower on this CPU machine (cross-lowering tests for "tpu" and "cuda"); `default_implementation()`
+answers "pallas" only on platforms listed in `_VERIFIED_PALLAS_PLATFORMS`, where a run on the chip showed the
+kernels equal to their references and no slower than XLA (experiments/device/check.sh for GPUs).
 
 Array sizes need not be multiples of the blocks: an edge block is partial. Rows or columns past the end of an
 array hold garbage (NaN in interpret mode), which is harmless where it only reaches output positions that are
-dropped on the write-back, and is zeroed with `zero_outside` where it would enter a reduction.
+dropped on the write-back, and is zeroed with `zero_outside` where it would enter a reduction (TPU kernels); the
+GPU kernels mask every load and store instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 Implementation = Literal["xla", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas")
+PALLAS_TARGETS: tuple[str, ...] = ("tpu", "gpu")  # the kernel sets implementation="pallas" can select
 
 # Mosaic TPU's default scoped-VMEM limit is 16-32 MiB depending on the chip; kernels whose resident blocks need
 # more ask for it explicitly (up to what the chip has; the compiler reports a request it cannot meet).
@@ -106,23 +110,34 @@ def zero_outside(x: jax.Array, axis: int, block_index: jax.Array, block: int, si
     return jnp.where(index < size, x, jnp.zeros_like(x))
 
 
-def check_pallas_platform(where: str, interpret: bool) -> None:
-    """Raises unless the Pallas kernels can run here: interpreted anywhere, compiled on TPU only.
+def pallas_target(where: str, interpret: bool, platform: str | None = None) -> str:
+    """Which Pallas kernels `where` runs: "tpu" (also for interpret=True, anywhere) or "gpu" (compiled on CUDA).
 
     Raises:
       ValueError: compiled (interpret=False) on CPU, where Pallas only interprets.
-      NotImplementedError: compiled on GPU: Mosaic GPU, the default GPU lowering of `pallas_call`, has no rule
-        for `dot_general` or minor-axis reductions (jax 0.10), and the Triton lowering is deprecated.
+      NotImplementedError: compiled on another platform (e.g. ROCm), naming the kernel and the platform.
     """
     if interpret:
-        return
-    platform = jax.default_backend()
+        return "tpu"
+    platform = jax.default_backend() if platform is None else platform
+    if platform in ("tpu", "gpu"):
+        return platform
     if platform == "cpu":
         raise ValueError(f"{where}: implementation='pallas' runs on CPU only with interpret=True")
-    if platform != "tpu":
-        raise NotImplementedError(
-            f"{where}: the Pallas kernels compile for TPU only (platform here: {platform!r}); Mosaic GPU cannot "
-            "lower their dot_general and row reductions. Use implementation='xla' (or interpret=True to check).")
+    raise NotImplementedError(
+        f"{where}: no Pallas kernel for platform {platform!r} (there are kernels for TPU and NVIDIA GPUs); use "
+        "implementation='xla' (or interpret=True to check).")
+
+
+def round_factor(factor: jax.Array, round_bf16: bool) -> jax.Array:
+    """The update factor U as float32, first rounded to bfloat16 (the wire format) when `round_bf16`."""
+    factor = factor.astype(jnp.bfloat16) if round_bf16 else factor
+    return factor.astype(jnp.float32)
+
+
+def block_or(value: Any, default: int) -> Any:
+    """A block-size argument, `default` when the caller left it None."""
+    return default if value is None else value
 
 
 def compiler_params(dimension_semantics: tuple[str, ...], vmem_bytes: int | None = None) -> Any:

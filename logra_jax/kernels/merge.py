@@ -6,10 +6,11 @@ With `round_bf16` U is rounded to bfloat16 first, the "wire" format the rollout 
 the product is accumulated in float32 either way and the sum rounded once to K's dtype:
   K_new = cast_K( K + Aᵀ · round(U)ᵀ ).
 
-The Pallas kernel walks a grid of (k, d) blocks; each step reads one K block, the matching rows of U and
-columns of A, and writes the updated block over the input (`input_output_aliases`), so under buffer donation
-the merge is in place and the dense ΔW [k, d] is never materialised. The XLA implementation is the same formula
-as one expression (XLA may build the whole ΔW of the layer in a temporary).
+The Pallas kernel (TPU; gpu.py's `merge_gpu` on NVIDIA GPUs) walks a grid of (k, d) blocks; each step reads one
+K block, the matching rows of U and columns of A, and writes the updated block over the input
+(`input_output_aliases`), so under buffer donation the merge is in place and the dense ΔW [k, d] is never
+materialised. The XLA implementation is the same formula as one expression (XLA may build the whole ΔW of the
+layer in a temporary).
 """
 
 from __future__ import annotations
@@ -20,32 +21,30 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
+    block_or,
     check_block,
     check_implementation,
-    check_pallas_platform,
     compiler_params,
     fit_block,
     num_blocks,
+    pallas_target,
+    round_factor,
 )
 
 _NT = (((1,), (1,)), ((), ()))  # a · bᵀ
 
 
-def _round(factor: jax.Array, round_bf16: bool) -> jax.Array:
-    factor = factor.astype(jnp.bfloat16) if round_bf16 else factor
-    return factor.astype(jnp.float32)
-
-
 def merge_reference(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: bool = False) -> jax.Array:
     """Plain jnp: K + Aᵀ · round(U)ᵀ in float32, cast to K's dtype. kernel [k, d], factor [d, r], a [r, k]."""
-    delta = jnp.einsum("rk,dr->kd", a.astype(jnp.float32), _round(factor, round_bf16),
+    delta = jnp.einsum("rk,dr->kd", a.astype(jnp.float32), round_factor(factor, round_bf16),
                        preferred_element_type=jnp.float32)
     return (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
 
 
 def _merge_kernel(k_ref, u_ref, at_ref, o_ref, *, round_bf16: bool):
-    u = _round(u_ref[...], round_bf16)
+    u = round_factor(u_ref[...], round_bf16)
     delta = jax.lax.dot_general(at_ref[...].astype(jnp.float32), u, _NT, preferred_element_type=jnp.float32)
     o_ref[...] = (k_ref[...].astype(jnp.float32) + delta).astype(o_ref.dtype)
 
@@ -76,16 +75,21 @@ def _merge_pallas(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_b
     )(kernel, factor, a_t)
 
 
-@functools.partial(jax.jit, static_argnames=("round_bf16", "implementation", "interpret", "block_d", "block_k"))
-def _merge(kernel, factor, a, *, round_bf16, implementation, interpret, block_d, block_k):
+@functools.partial(jax.jit, static_argnames=("round_bf16", "implementation", "interpret", "block_d", "block_k",
+                                              "target"))
+def _merge(kernel, factor, a, *, round_bf16, implementation, interpret, block_d, block_k, target):
     if implementation == "xla":
         return merge_reference(kernel, factor, a, round_bf16=round_bf16)
-    return _merge_pallas(kernel, factor, a, round_bf16=round_bf16, interpret=interpret, block_d=block_d,
-                         block_k=block_k)
+    if target == "gpu":
+        return gpu.merge_gpu(kernel, factor, a, round_bf16=round_bf16, interpret=interpret,
+                             block_d=block_or(block_d, 64), block_k=block_or(block_k, 64))
+    return _merge_pallas(kernel, factor, a, round_bf16=round_bf16, interpret=interpret,
+                         block_d=block_or(block_d, 512), block_k=block_or(block_k, 512))
 
 
 def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: bool = False,
-          implementation: str = "xla", interpret: bool = False, block_d: int = 512, block_k: int = 512) -> jax.Array:
+          implementation: str = "xla", interpret: bool = False, block_d: int | None = None,
+          block_k: int | None = None) -> jax.Array:
     """K_new = K + Aᵀ Uᵀ (the low-rank update ΔW = U A added to W = Kᵀ), tiled over blocks of d and k.
 
     Args:
@@ -95,7 +99,8 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
       round_bf16: round U to bfloat16 before the product (the wire format of LOGRA.md §6).
       implementation: "xla" (one expression) or "pallas" (block-tiled kernel, K aliased in → out).
       interpret: Pallas only: run the kernel in the Pallas interpreter (required on CPU).
-      block_d, block_k: Pallas only: block sizes along d and k (clipped to the array).
+      block_d, block_k: Pallas only: block sizes along d and k (None: 512 on TPU, clipped to the array; 64 on
+        GPU, where they must be powers of 2 ≥ 16).
 
     Returns:
       The merged kernel [k, d] in kernel's dtype. Donate `kernel` in the enclosing jit to merge in place.
@@ -103,7 +108,7 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
     Raises:
       ValueError: unknown implementation, non-positive block sizes, shapes that do not chain, or compiled
         Pallas on CPU.
-      NotImplementedError: compiled Pallas on GPU (see logra_jax.kernels.backend).
+      NotImplementedError: compiled Pallas on a platform with no kernels (see logra_jax.kernels.backend).
 
     Example:
       >>> import jax.numpy as jnp
@@ -111,10 +116,9 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
       [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
     """
     check_implementation(implementation, "merge")
-    block_d = check_block("block_d", block_d, "merge")
-    block_k = check_block("block_k", block_k, "merge")
-    if implementation == "pallas":
-        check_pallas_platform("merge", interpret)
+    block_d = None if block_d is None else check_block("block_d", block_d, "merge")
+    block_k = None if block_k is None else check_block("block_k", block_k, "merge")
+    target = pallas_target("merge", interpret) if implementation == "pallas" else None
     if kernel.ndim != 2 or factor.ndim != 2 or a.ndim != 2:
         raise ValueError(f"merge: expected kernel [k, d], factor [d, r], a [r, k]; got shapes kernel {kernel.shape}, "
                          f"factor {factor.shape}, a {a.shape}")
@@ -123,4 +127,4 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
         raise ValueError(f"merge: shapes do not chain (kernel [k, d], factor [d, r], a [r, k]): kernel "
                          f"{kernel.shape}, factor {factor.shape}, a {a.shape}")
     return _merge(kernel, factor, a, round_bf16=bool(round_bf16), implementation=implementation,
-                  interpret=bool(interpret), block_d=block_d, block_k=block_k)
+                  interpret=bool(interpret), block_d=block_d, block_k=block_k, target=target)

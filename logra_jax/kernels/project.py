@@ -8,7 +8,8 @@ whose only purpose is to receive S: `jax.grad` with respect to the probes yields
 
 Two implementations with the same semantics, chosen by `implementation=`:
 - "xla": einsums; XLA schedules them.
-- "pallas": two fused kernels. Forward: one sweep over (T, d, k) blocks computes y = X K and, on the first column
+- "pallas": on TPU two fused kernels (below; on NVIDIA GPUs gpu.py's `fused_forward_gpu` / `fused_backward_gpu`,
+  written for parallel GPU grids). Forward: one sweep over (T, d, k) blocks computes y = X K and, on the first column
   of d blocks, P = X Aᵀ from the same X tiles. Backward: one sweep over (T, k, d) blocks computes dX = H Kᵀ and,
   on the first column of k blocks, accumulates S += Hᵀ P from the same H tiles into a VMEM-resident float32
   S [d, r] (written to HBM once at the end). All accumulations are float32.
@@ -26,13 +27,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
+    block_or,
     check_block,
     check_implementation,
-    check_pallas_platform,
     compiler_params,
     fit_block,
     num_blocks,
+    pallas_target,
     zero_outside,
 )
 
@@ -159,6 +162,12 @@ def _itemsize(x: jax.Array) -> int:
     return jnp.dtype(x.dtype).itemsize
 
 
+def _check_tpu_kernel(where: str, interpret: bool) -> None:
+    if pallas_target(where, interpret) != "tpu":
+        raise NotImplementedError(f"{where} is the TPU kernel; on GPUs use logra_jax.kernels.gpu.{where}_gpu, or "
+                                  "sketched_linear(..., implementation='pallas'), which picks it")
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "block_t", "block_d", "block_k"))
 def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: bool = False, block_t: int = 256,
                   block_d: int = 512, block_k: int = 512) -> tuple[jax.Array, jax.Array]:
@@ -181,7 +190,7 @@ def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: b
       >>> y.shape, p.shape
       ((4, 3), (4, 2))
     """
-    check_pallas_platform("fused_forward", interpret)
+    _check_tpu_kernel("fused_forward", interpret)
     (t, k), (_, d), (r, _) = x.shape, kernel.shape, a.shape
     bt, bd, bk = fit_block(t, block_t), fit_block(d, block_d), fit_block(k, block_k)
     itemsize = _itemsize(x)
@@ -231,7 +240,7 @@ def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: 
       >>> dx.shape, s.shape
       ((4, 8), (3, 2))
     """
-    check_pallas_platform("fused_backward", interpret)
+    _check_tpu_kernel("fused_backward", interpret)
     (t, d), (_, r), (k, _) = h.shape, p.shape, kernel.shape
     bt, bd, bk = fit_block(t, block_t), fit_block(d, block_d), fit_block(k, block_k)
     d_pad = num_blocks(d, bd) * bd
@@ -264,12 +273,24 @@ class _PallasConfig:
     """Static (hashable) configuration of the Pallas path, passed to the custom_vjp as a non-differentiable arg."""
 
     interpret: bool
-    block_t: int
-    block_d: int
-    block_k: int
+    block_t: int | None
+    block_d: int | None
+    block_k: int | None
+    target: str  # "tpu" (also interpreted) or "gpu"
 
-    def kwargs(self) -> dict:
-        return dataclasses.asdict(self)
+    def forward(self, x, kernel, a):
+        if self.target == "gpu":
+            return gpu.fused_forward_gpu(x, kernel, a, interpret=self.interpret, **self._blocks(64))
+        return fused_forward(x, kernel, a, interpret=self.interpret, **self._blocks(None))
+
+    def backward(self, h, p, kernel):
+        if self.target == "gpu":
+            return gpu.fused_backward_gpu(h, p, kernel, interpret=self.interpret, **self._blocks(64))
+        return fused_backward(h, p, kernel, interpret=self.interpret, **self._blocks(None))
+
+    def _blocks(self, default: int | None) -> dict:
+        tpu = {"block_t": 256, "block_d": 512, "block_k": 512}
+        return {name: block_or(getattr(self, name), tpu[name] if default is None else default) for name in tpu}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -279,13 +300,13 @@ def _sketched_linear_pallas(x, kernel, a, probe, config: _PallasConfig):
 
 
 def _pallas_fwd(x, kernel, a, probe, config: _PallasConfig):
-    y, p = fused_forward(x.reshape(-1, x.shape[-1]), kernel, a, **config.kwargs())
+    y, p = config.forward(x.reshape(-1, x.shape[-1]), kernel, a)
     return y.reshape(*x.shape[:-1], y.shape[-1]), (p, kernel, a, probe)
 
 
 def _pallas_bwd(config: _PallasConfig, res, h):
     p, kernel, a, probe = res
-    dx, s = fused_backward(h.reshape(-1, h.shape[-1]), p, kernel, **config.kwargs())
+    dx, s = config.backward(h.reshape(-1, h.shape[-1]), p, kernel)
     dx = dx.reshape(*h.shape[:-1], dx.shape[-1])
     return dx, jnp.zeros_like(kernel), jnp.zeros_like(a), s.astype(probe.dtype)
 
@@ -294,8 +315,8 @@ _sketched_linear_pallas.defvjp(_pallas_fwd, _pallas_bwd)
 
 
 def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Array, *,
-                    implementation: str = "xla", interpret: bool = False, block_t: int = 256, block_d: int = 512,
-                    block_k: int = 512) -> jax.Array:
+                    implementation: str = "xla", interpret: bool = False, block_t: int | None = None,
+                    block_d: int | None = None, block_k: int | None = None) -> jax.Array:
     """y = x · kernel, with ∂L/∂probe = Hᵀ (X Aᵀ) = G Aᵀ and no dense weight gradient.
 
     Args:
@@ -305,7 +326,8 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
       probe: zeros [d, r] float32; its cotangent is the sketch S [d, r] summed over all leading axes of x.
       implementation: "xla" (einsums) or "pallas" (the fused kernels `fused_forward` / `fused_backward`).
       interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
-      block_t, block_d, block_k: Pallas only: block sizes along tokens, output and input features.
+      block_t, block_d, block_k: Pallas only: block sizes along tokens, output and input features (None: 256,
+        512, 512 on TPU; 64 each on GPU, where they must be powers of 2 ≥ 16).
 
     Returns:
       y [..., d] in x's dtype.
@@ -313,7 +335,7 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
     Raises:
       ValueError: unknown implementation, non-positive block sizes, shapes that do not chain
         (x [..., k], kernel [k, d], a [r, k], probe [d, r]), or compiled Pallas on CPU.
-      NotImplementedError: compiled Pallas on GPU (see logra_jax.kernels.backend).
+      NotImplementedError: compiled Pallas on a platform with no kernels (see logra_jax.kernels.backend).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -333,8 +355,8 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
                          f"x {x.shape}, kernel {kernel.shape}, a {a.shape}, probe {probe.shape}")
     if implementation == "xla":
         return _sketched_linear_xla(x, kernel, a, probe)
-    check_pallas_platform("sketched_linear", interpret)
-    config = _PallasConfig(bool(interpret), check_block("block_t", block_t, "sketched_linear"),
-                           check_block("block_d", block_d, "sketched_linear"),
-                           check_block("block_k", block_k, "sketched_linear"))
+    target = pallas_target("sketched_linear", interpret)
+    blocks = {name: None if value is None else check_block(name, value, "sketched_linear")
+              for name, value in (("block_t", block_t), ("block_d", block_d), ("block_k", block_k))}
+    config = _PallasConfig(bool(interpret), target=target, **blocks)
     return _sketched_linear_pallas(x, kernel, a, probe, config)

@@ -13,6 +13,7 @@ Pallas: a first kernel reads each block of rows of S once and writes v_new, ρ a
 (mean ρ, ‖S‖_F² = Σ_i rowsq_i, ‖D̃‖_F² = Σ_i s_i² rowsq_i) then cost O(d) in jnp, and a second kernel applies
 D = c ⊙ S with c_i = s_i ‖S‖_F / ‖D̃‖_F. Row vectors travel as [d, 1] so every block is 2-D; β₂, ε and the
 bias correction travel as one [1, 3] array, so traced (scheduled) hyperparameters cost no recompilation.
+On NVIDIA GPUs the same two passes run as gpu.py's `row_moment_gpu` / `row_scale_gpu` (masked power-of-2 tiles).
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
+    block_or,
     check_block,
     check_implementation,
-    check_pallas_platform,
     compiler_params,
     fit_block,
     num_blocks,
+    pallas_target,
 )
 
 VARIANTS: tuple[str, ...] = ("paper", "nemo")
@@ -132,17 +135,30 @@ def _row_moment_pallas(s, v, count, *, b2, eps, variant, interpret, block_d):
     return v_new.reshape(d), d_out
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "implementation", "interpret", "block_d"))
-def _row_moment(s, v, count, *, b2, eps, variant, implementation, interpret, block_d):
+def _row_moment_gpu(s, v, count, *, b2, eps, variant, interpret, block_d):
+    b2, eps = jnp.asarray(b2, jnp.float32), jnp.asarray(eps, jnp.float32)
+    hyper = jnp.stack([b2, _bias_correction(count, b2), eps, jnp.zeros((), jnp.float32)])
+    if variant == "nemo":
+        return gpu.row_moment_gpu(s, v, hyper, variant="nemo", interpret=interpret, block_d=block_d)
+    v_new, rho, rowsq = gpu.row_moment_gpu(s, v, hyper, variant="paper", interpret=interpret, block_d=block_d)
+    scale = _paper_row_scale(rho[:, None], rowsq[:, None], eps)[:, 0]
+    return v_new, gpu.row_scale_gpu(s, scale, interpret=interpret, block_d=block_d)
+
+
+@functools.partial(jax.jit, static_argnames=("variant", "implementation", "interpret", "block_d", "target"))
+def _row_moment(s, v, count, *, b2, eps, variant, implementation, interpret, block_d, target):
     if implementation == "xla":
         return row_moment_reference(s, v, count, b2=b2, eps=eps, variant=variant)
-    return _row_moment_pallas(s, v, count, b2=b2, eps=eps, variant=variant, interpret=interpret, block_d=block_d)
+    if target == "gpu":
+        return _row_moment_gpu(s, v, count, b2=b2, eps=eps, variant=variant, interpret=interpret, block_d=block_d)
+    return _row_moment_pallas(s, v, count, b2=b2, eps=eps, variant=variant, interpret=interpret,
+                              block_d=block_or(block_d, 512))
 
 
 def row_moment(s: jax.Array, v: jax.Array, count: jax.Array | int, *, b2: float | jax.Array = 0.95,
                eps: float | jax.Array = 1e-8,
                variant: str = "paper", implementation: str = "xla", interpret: bool = False,
-               block_d: int = 512) -> tuple[jax.Array, jax.Array]:
+               block_d: int | None = None) -> tuple[jax.Array, jax.Array]:
     """One RowAdam step on a sketch: the new row second moment and the row-scaled direction D.
 
     Args:
@@ -154,7 +170,8 @@ def row_moment(s: jax.Array, v: jax.Array, count: jax.Array | int, *, b2: float 
       variant: "paper" (norm-preserving row redistribution) or "nemo" (S / (ρ + ε)).
       implementation: "xla" (jnp) or "pallas" (one fused pass over S, plus the row scaling for "paper").
       interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
-      block_d: Pallas only: rows per block (clipped to d).
+      block_d: Pallas only: rows per block (None: 512 on TPU, clipped to d; on GPU a power of 2 ≥ 16, by default
+        as many rows as keep a tile at 8192 elements).
 
     Returns:
       (v_new [d], D [d, r]), both float32.
@@ -162,7 +179,7 @@ def row_moment(s: jax.Array, v: jax.Array, count: jax.Array | int, *, b2: float 
     Raises:
       ValueError: unknown variant or implementation, b2 outside [0, 1), negative eps, non-positive block_d,
         shapes other than s [d, r] with v [d], or compiled Pallas on CPU.
-      NotImplementedError: compiled Pallas on GPU (see logra_jax.kernels.backend).
+      NotImplementedError: compiled Pallas on a platform with no kernels (see logra_jax.kernels.backend).
 
     Example:
       >>> import jax.numpy as jnp
@@ -177,10 +194,9 @@ def row_moment(s: jax.Array, v: jax.Array, count: jax.Array | int, *, b2: float 
         raise ValueError(f"row_moment: b2 must lie in [0, 1), got {b2!r}")
     if isinstance(eps, (int, float)) and not eps >= 0.0:
         raise ValueError(f"row_moment: eps must be >= 0, got {eps!r}")
-    block_d = check_block("block_d", block_d, "row_moment")
-    if implementation == "pallas":
-        check_pallas_platform("row_moment", interpret)
+    block_d = None if block_d is None else check_block("block_d", block_d, "row_moment")
+    target = pallas_target("row_moment", interpret) if implementation == "pallas" else None
     if s.ndim != 2 or v.shape != s.shape[:1]:
         raise ValueError(f"row_moment: expected s [d, r] and v [d]; got s {s.shape}, v {v.shape}")
     return _row_moment(s, v, count, b2=b2, eps=eps, variant=variant, implementation=implementation,
-                       interpret=bool(interpret), block_d=block_d)
+                       interpret=bool(interpret), block_d=block_d, target=target)

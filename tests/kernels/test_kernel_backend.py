@@ -29,13 +29,21 @@ def test_argument_checks():
     assert backend.num_blocks(37, 16) == 3 and backend.num_blocks(32, 16) == 2
 
 
-def test_compiled_pallas_is_refused_off_tpu(monkeypatch):
+def test_pallas_picks_kernels_by_platform_and_names_the_unsupported_one(monkeypatch):
     with pytest.raises(ValueError, match="interpret=True"):
-        backend.check_pallas_platform("merge", interpret=False)
-    backend.check_pallas_platform("merge", interpret=True)
+        backend.pallas_target("merge", interpret=False)
+    assert backend.pallas_target("merge", interpret=True) == "tpu"
+    assert backend.pallas_target("merge", False, platform="tpu") == "tpu"
+    assert backend.pallas_target("merge", False, platform="gpu") == "gpu"
+    with pytest.raises(NotImplementedError, match=r"merge: no Pallas kernel for platform 'rocm'"):
+        backend.pallas_target("merge", False, platform="rocm")
+    monkeypatch.setattr(jax, "default_backend", lambda: "rocm")
+    with pytest.raises(NotImplementedError, match=r"row_moment: .*'rocm'"):
+        row_moment(jnp.zeros((4, 2)), jnp.zeros(4), 0, implementation="pallas")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(NotImplementedError, match="TPU only"):
-        merge(jnp.zeros((4, 3)), jnp.zeros((3, 2)), jnp.zeros((2, 4)), implementation="pallas")
+    # the TPU kernels refuse to be compiled for a GPU and name the GPU kernel instead
+    with pytest.raises(NotImplementedError, match="fused_forward_gpu"):
+        fused_forward(jnp.zeros((4, 8)), jnp.zeros((8, 3)), jnp.zeros((2, 8)))
     assert backend.compiler_params(("parallel",)) is None
 
 
