@@ -12,7 +12,8 @@
 #                     % of roofline at Qwen2.5-1.5B and 7B layer shapes, T = 4096, r = 256  bench_<platform>.json/.png
 #   4. sync_check.py  trainer and rollout weights bitwise equal after 5 synced low-rank updates   sync.json
 #   3. step_check.py  the 1.5B RL train step: peak memory and median step time of AdamW (all), AdamW (targets)
-#                     and LoGRA sketch-native with the KL probe, and the ratios                 step.json
+#                     and LoGRA sketch-native with the KL probe (then with the Pallas kernels, time
+#                     permitting), and the ratios                                                  step.json
 #   summary.py        one table (printed last) and check.json with everything, device and jax version
 set -uo pipefail
 smoke=0
@@ -73,7 +74,8 @@ step() {  # step NAME LIMIT COMMAND...: run with a time limit, log everything, n
 step lower "${limits[0]}" "$py" experiments/kernels/lower_all.py --out "$out/lower.json"
 step kernels "${limits[1]}" "$py" experiments/kernels/bench.py --out-dir "$out" "${bench_args[@]}"
 step sync "${limits[2]}" "$py" experiments/device/sync_check.py --out "$out/sync.json" "${smoke_flag[@]}"
-step train_step "${limits[3]}" "$py" experiments/device/step_check.py --out "$out/step.json" "${smoke_flag[@]}"
+step train_step "${limits[3]}" "$py" experiments/device/step_check.py --out "$out/step.json" \
+  --budget-s $(( ${limits[3]} - 10 )) "${smoke_flag[@]}"
 "$py" experiments/device/summary.py "$out" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 rm -f "$out"/rc_*.txt

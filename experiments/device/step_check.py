@@ -6,8 +6,9 @@
 Contenders (built as the training loop builds them: `logra_jax.memory_analysis.build_rl_step` and
 `contender_sections`): adamw (every parameter), adamw_targets (exactly LoGRA's targets, the rest frozen) and
 logra_sketch_native_kl (sketch-native LoGRA, rank 256, with the predicted-KL probe on 2 sequences, as the paper
-runs it). Model: `paper_numerics("qwen2.5-1.5b")` (bf16 compute, fp32 weights, remat per block, chunked
-attention), random init; one 4096-token sequence (512 prompt) per step; log-probs in chunks of 512.
+runs it); last, the same with `implementation="pallas"` (the GPU kernels for the sketched projections).
+Model: `paper_numerics("qwen2.5-1.5b")` (bf16 compute, fp32 weights, remat per block, chunked attention), random
+init; one 4096-token sequence (512 prompt) per step; log-probs in chunks of 512.
 
 Each contender runs in its own process (so `memory_stats()["peak_bytes_in_use"]` is its own peak, with
 XLA_PYTHON_CLIENT_PREALLOCATE=false) under a time limit: init on the device, one AOT compile (its
@@ -28,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONTENDERS = ("logra_sketch_native_kl", "adamw", "adamw_targets")  # in order of need, should time run short
+# In order of need, should time run short; the last is LoGRA with the Pallas kernels (on a GPU the Triton ones)
+# for the sketched projections, which decides whether they may become the default.
+CONTENDERS = ("logra_sketch_native_kl", "adamw", "adamw_targets", "logra_sketch_native_kl_pallas")
 PROBES = 2  # the paper's KL probe: 2 single-response sequences per device
 
 
@@ -98,7 +101,9 @@ def child(name: str, smoke: bool, steps: int) -> dict[str, Any]:
 
     s = _settings(smoke)
     config = preset("tiny") if smoke else paper_numerics(s["model"], s["seq_len"])
-    section = contender_sections(s["rank"])[name]
+    section = contender_sections(s["rank"])[name.removesuffix("_pallas")]
+    if name.endswith("_pallas"):
+        section = dataclasses.replace(section, implementation="pallas", interpret=jax.default_backend() == "cpu")
     if section.kl_control:
         section = dataclasses.replace(section, probe_responses=PROBES)
     device = jax.local_devices()[0]
@@ -132,20 +137,26 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     report: dict[str, Any] = {**s, "probe_responses": PROBES, "steps": args.steps, "contenders": {},
                               "command": " ".join(sys.argv)}
+    began = time.perf_counter()
     for name in CONTENDERS:
         start = time.perf_counter()
-        print(f"[step_check] {name}: start (limit {args.timeout:.0f} s)", flush=True)
+        limit = min(args.timeout, args.budget_s - (start - began))
+        if limit < 20:
+            report["contenders"][name] = {"error": f"skipped: the budget of {args.budget_s:.0f} s was spent"}
+            print(f"[step_check] {name}: skipped (budget spent)", flush=True)
+            continue
+        print(f"[step_check] {name}: start (limit {limit:.0f} s)", flush=True)
         cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps)] + (["--smoke"] if args.smoke
                                                                                          else [])
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode == 0 and lines:
                 record = json.loads(lines[-1][len("RESULT "):])
             else:
                 record = {"error": f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-4:])}
         except subprocess.TimeoutExpired:
-            record = {"error": f"timed out after {args.timeout:.0f} s"}
+            record = {"error": f"timed out after {limit:.0f} s"}
         record["wall_s"] = time.perf_counter() - start
         report["contenders"][name] = record
         median = record.get("median_step_s")
@@ -157,6 +168,9 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
         Path(args.out).write_text(json.dumps(report, indent=1))  # what is measured so far survives a kill
     c = report["contenders"]
     logra = c.get("logra_sketch_native_kl", {})
+    pallas = c.get("logra_sketch_native_kl_pallas", {})
+    report.setdefault("ratios", {})["pallas_time_vs_xla"] = _ratio(pallas.get("median_step_s"),
+                                                                   logra.get("median_step_s"))
     for base, suffix in (("adamw", ""), ("adamw_targets", "_targets")):
         report.setdefault("ratios", {})[f"logra_peak_vs_adamw{suffix}"] = _ratio(
             logra.get("peak_bytes_in_use"), c.get(base, {}).get("peak_bytes_in_use"))
@@ -173,6 +187,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model, short sequences (CPU)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per contender (default 80; 60 smoke)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no contender after this many seconds; cap each one's limit by what is left")
     parser.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -121,6 +121,8 @@ def step_lines(step: dict[str, Any], report: dict[str, Any]) -> list[str]:
                      f"{_fmt(1e3 * median if median else None, '.1f'):>10}" + (f"  ERROR {c['error'][:80]}"
                                                                                 if c.get("error") else ""))
     ratios = step.get("ratios", {})
+    if ratios.get("pallas_time_vs_xla") is not None:
+        lines.append(f"{'':>11}LoGRA step time, Pallas kernels vs XLA: {ratios['pallas_time_vs_xla']:.3f}")
     verdict = {}
     for key, limit in STEP_TARGETS.items():
         value = ratios.get(f"logra_{key}")

@@ -28,7 +28,8 @@ def test_check_script_smoke_runs_every_step_and_prints_the_table(tmp_path):
                                               "row_moment_nemo"}
     assert all(k["accurate"] and k["error_text"] is None for k in kernels), kernels
     assert report["sync"]["bitwise_equal"] is True
-    assert set(report["step"]["contenders"]) == {"adamw", "adamw_targets", "logra_sketch_native_kl"}
+    assert set(report["step"]["contenders"]) == {"adamw", "adamw_targets", "logra_sketch_native_kl",
+                                                 "logra_sketch_native_kl_pallas"}
     assert all(c.get("median_step_s") for c in report["step"]["contenders"].values())
     # the table is the last thing printed, and the files fit what the device tool brings back (≤ 8)
     assert "train step" in proc.stdout and "LoGRA peak vs adamw" in proc.stdout
