@@ -3,7 +3,7 @@
 The model and optimizer state exist only as shapes (`jax.eval_shape`); the step — the same `make_train_step`
 the training loop runs, with the REINFORCE + TIS objective of `logra_jax.rl.objective` — is lowered from abstract
 sharded inputs and compiled for the mesh, and XLA's analysis gives per-device bytes
-  total = argument + output + temp − alias        (`logra_jax.sharding.step_memory`).
+  total = argument + output + temp − alias        (`step_memory`, for any step and init function).
 `build_rl_step` gives the same step with real arrays (experiments/device/step_check.py runs it on a GPU).
 Used by experiments/memory/run.py and colab/memory_analysis.ipynb.
 """
@@ -25,6 +25,51 @@ from logra_jax.rl.losses import LossConfig
 from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, rl_batch_shapes
 from logra_jax.run_config import OptimizerSection
 from logra_jax.train_step import TrainState, make_train_step
+
+
+def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]], abstract_batch: Any,
+                mesh: jax.sharding.Mesh, rules: shd.LogicalRules = shd.DEFAULT_RULES, *,
+                compiler_options: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """Per-device bytes of one sharded train step, compile-only: nothing is allocated.
+
+    With logra_jax.sharding's functions: the state and `rest` get `train_state_shardings` / `param_shardings`
+    (sketch probes follow their kernels), the batch `batch_shardings`; the step is jitted with `jit_train_step`
+    (state donated), lowered from `abstract_sharded` inputs and compiled, and XLA's memory analysis is read:
+      total = argument + output + temp − alias        (alias: donated buffers the outputs reuse, counted once)
+
+    Args:
+      step: step(state, rest, batch) -> (state, metrics), e.g. from `logra_jax.train_step.make_train_step`.
+      init_fn: () -> (TrainState, rest); only traced (`jax.eval_shape`).
+      abstract_batch: the global batch as ShapeDtypeStructs.
+      mesh, rules: the mesh and logical rules the step is sharded with.
+      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`).
+
+    Returns:
+      {"argument", "output", "temp", "alias", "total"} in bytes per device.
+
+    Example:
+      >>> from collections import namedtuple
+      >>> State = namedtuple("State", "params opt_state step")
+      >>> mesh = shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> init = lambda: (State({"w": jax.numpy.zeros(256)}, (), jax.numpy.zeros((), "int32")), {})
+      >>> step = lambda s, rest, b: (s._replace(step=s.step + 1), b.sum())
+      >>> mem = step_memory(step, init, jax.ShapeDtypeStruct((4, 2), jax.numpy.float32), mesh)
+      >>> mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"], mem["argument"] >= 1024
+      (True, True)
+    """
+    abstract_state, abstract_rest = jax.eval_shape(init_fn)
+    state_sh = shd.train_state_shardings(abstract_state, mesh, rules)
+    rest_sh = shd.param_shardings(abstract_rest, mesh, rules, sources=abstract_state.params)
+    batch_sh = shd.batch_shardings(abstract_batch, mesh, rules)
+    jitted = shd.jit_train_step(step, mesh, rules, in_shardings=(state_sh, rest_sh, batch_sh),
+                                out_shardings=(state_sh, shd.replicated(mesh)), compiler_options=compiler_options)
+    args = (shd.abstract_sharded(abstract_state, state_sh), shd.abstract_sharded(abstract_rest, rest_sh),
+            shd.abstract_sharded(abstract_batch, batch_sh))
+    m = jitted.lower(*args).compile().memory_analysis()
+    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
+           "alias": m.alias_size_in_bytes}
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
 
 
 def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:
@@ -108,4 +153,4 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
     """
     init, step, batch = build_rl_step(config, optimizer, mesh.size, seq_len=seq_len, prompt_len=prompt_len,
                                       rows_per_device=rows_per_device, logprob_chunk=logprob_chunk)
-    return shd.step_memory(step, init, batch, mesh, compiler_options=compiler_options)
+    return step_memory(step, init, batch, mesh, compiler_options=compiler_options)

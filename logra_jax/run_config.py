@@ -15,7 +15,13 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from logra_jax.rl.advantages import ESTIMATORS
+from logra_jax.kernels.backend import IMPLEMENTATIONS
+from logra_jax.optim.projection import DISTRIBUTIONS
+from logra_jax.optim.row_adam import VARIANTS as ROW_ADAM_VARIANTS
+from logra_jax.optim.update_ratio import SCOPES
+from logra_jax.rl.advantages import ESTIMATORS, WHITENINGS
+from logra_jax.rl.losses import AGGREGATIONS, POLICIES
+from logra_jax.rl.prompts import PROMPT_STYLES
 from logra_jax.rl.tasks import TaskSpec
 
 
@@ -99,7 +105,7 @@ class TaskSection:
             _check_task_spec("task", kind=self.kind, seed=self.seed, difficulty=self.difficulty,
                              operations=self.operations, count=self.count, max_number=self.max_number,
                              max_target=self.max_target, carries=self.carries)
-        _check_choice("task", "prompt_style", self.prompt_style, ("plain", "chat", "compact"))
+        _check_choice("task", "prompt_style", self.prompt_style, PROMPT_STYLES)
         if self.prompt_style == "compact" and self.kind != "arithmetic":
             _fail("task.prompt_style", self.prompt_style, "'compact' prompts exist for kind='arithmetic' only")
         _check_range("task", "train_size", self.train_size, 1)
@@ -182,12 +188,11 @@ class AlgorithmSection:
 
     def validate(self) -> None:
         _check_choice("algorithm", "estimator", self.estimator, tuple(ESTIMATORS))
-        _check_choice("algorithm", "whiten", self.whiten, ("response", "token"))
+        _check_choice("algorithm", "whiten", self.whiten, WHITENINGS)
         if self.whiten != "response" and self.estimator != "reinforce++":
             _fail("algorithm.whiten", self.whiten, "is a reinforce++ option (algorithm.estimator='reinforce++')")
-        _check_choice("algorithm", "policy", self.policy, ("ppo", "reinforce"))
-        _check_choice("algorithm", "aggregation", self.aggregation,
-                      ("token_mean", "seq_mean", "seq_mean_token_sum_norm"))
+        _check_choice("algorithm", "policy", self.policy, POLICIES)
+        _check_choice("algorithm", "aggregation", self.aggregation, AGGREGATIONS)
         _check_range("algorithm", "baseline_momentum", self.baseline_momentum, 0.0, 1.0, lo_open=True)
         _check_range("algorithm", "eps_low", self.eps_low, 0.0, 1.0, lo_open=True)
         _check_range("algorithm", "eps_high", self.eps_high, 0.0, lo_open=True)
@@ -241,10 +246,10 @@ class OptimizerSection:
         _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore", "adafactor", "row_adam"))
         if self.targets_only and self.name != "adamw":
             _fail("optimizer.targets_only", self.targets_only, "is an AdamW option (optimizer.name='adamw')")
-        _check_choice("optimizer", "implementation", self.implementation, ("xla", "pallas"))
-        _check_choice("optimizer", "variant", self.variant, ("paper", "nemo", "sgd"))
-        _check_choice("optimizer", "ratio_scope", self.ratio_scope, ("global", "layer"))
-        _check_choice("optimizer", "distribution", self.distribution, ("rademacher", "gaussian"))
+        _check_choice("optimizer", "implementation", self.implementation, IMPLEMENTATIONS)
+        _check_choice("optimizer", "variant", self.variant, ROW_ADAM_VARIANTS)
+        _check_choice("optimizer", "ratio_scope", self.ratio_scope, SCOPES)
+        _check_choice("optimizer", "distribution", self.distribution, DISTRIBUTIONS)
         _check_choice("optimizer", "non_targets", self.non_targets, ("frozen", "adamw"))
         _check_range("optimizer", "learning_rate", self.learning_rate, 0.0, lo_open=True)
         _check_range("optimizer", "weight_decay", self.weight_decay, 0.0)

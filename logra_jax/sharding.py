@@ -16,8 +16,8 @@ tests/sharding/test_sharded_step.py and tests/sharding/multihost_worker.py):
   step = jit_train_step(step_fn, mesh, in_shardings=(state_sh, rest_sh, batch_shardings(batch, mesh)),
                         out_shardings=(state_sh, replicated(mesh)))
   state, metrics = step(state, rest, jax.device_put(batch, batch_shardings(batch, mesh)))
-Compile-only: `step_memory(step_fn, init_fn, abstract_batch, mesh)` lowers the same sharded step from abstract
-inputs and returns XLA's per-device bytes (experiments/memory/run.py, tests/native/test_sketch_native_memory.py).
+Compile-only: `logra_jax.memory_analysis.step_memory(step_fn, init_fn, abstract_batch, mesh)` lowers the same
+sharded step from abstract inputs and returns XLA's per-device bytes.
 """
 
 from __future__ import annotations
@@ -489,48 +489,3 @@ def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = D
 # bytes agree to within 200 bytes (alignment) at Qwen2.5-7B shapes.
 FAST_CPU_COMPILE: Mapping[str, Any] = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                                        "xla_cpu_use_fusion_emitters": False}
-
-
-def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]], abstract_batch: Any, mesh: Mesh,
-                rules: LogicalRules = DEFAULT_RULES, *, compiler_options: Mapping[str, Any] | None = None
-                ) -> dict[str, int]:
-    """Per-device bytes of one sharded train step, compile-only: nothing is allocated.
-
-    The state and `rest` get `train_state_shardings` / `param_shardings` (sketch probes follow their kernels), the
-    batch `batch_shardings`; the step is jitted with `jit_train_step` (state donated), lowered from
-    `abstract_sharded` inputs and compiled, and XLA's memory analysis is read:
-      total = argument + output + temp − alias        (alias: donated buffers the outputs reuse, counted once)
-
-    Args:
-      step: step(state, rest, batch) -> (state, metrics), e.g. from `logra_jax.train_step.make_train_step`.
-      init_fn: () -> (TrainState, rest); only traced (`jax.eval_shape`).
-      abstract_batch: the global batch as ShapeDtypeStructs.
-      mesh, rules: the mesh and logical rules the step is sharded with.
-      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`).
-
-    Returns:
-      {"argument", "output", "temp", "alias", "total"} in bytes per device.
-
-    Example:
-      >>> from collections import namedtuple
-      >>> State = namedtuple("State", "params opt_state step")
-      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-      >>> init = lambda: (State({"w": jax.numpy.zeros(256)}, (), jax.numpy.zeros((), "int32")), {})
-      >>> step = lambda s, rest, b: (s._replace(step=s.step + 1), b.sum())
-      >>> mem = step_memory(step, init, jax.ShapeDtypeStruct((4, 2), jax.numpy.float32), mesh)
-      >>> mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"], mem["argument"] >= 1024
-      (True, True)
-    """
-    abstract_state, abstract_rest = jax.eval_shape(init_fn)
-    state_sh = train_state_shardings(abstract_state, mesh, rules)
-    rest_sh = param_shardings(abstract_rest, mesh, rules, sources=abstract_state.params)
-    batch_sh = batch_shardings(abstract_batch, mesh, rules)
-    jitted = jit_train_step(step, mesh, rules, in_shardings=(state_sh, rest_sh, batch_sh),
-                            out_shardings=(state_sh, replicated(mesh)), compiler_options=compiler_options)
-    args = (abstract_sharded(abstract_state, state_sh), abstract_sharded(abstract_rest, rest_sh),
-            abstract_sharded(abstract_batch, batch_sh))
-    m = jitted.lower(*args).compile().memory_analysis()
-    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
-           "alias": m.alias_size_in_bytes}
-    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out

@@ -12,7 +12,7 @@ optim = logra_jax.optim):
 LoGRA's settings are those of the model's config (optimizer.rank, variant, update_ratio, round_bf16, ...) in
 dense-gradient mode without the predicted-KL controller; default target rules, non-targets frozen. Params and
 optimizer state are donated. The step is lowered from ShapeDtypeStructs and compiled (nothing is allocated) by the
-project's `logra_jax.sharding.step_memory`: per-device bytes = argument + output + temp − alias.
+project's `logra_jax.memory_analysis.step_memory`: per-device bytes = argument + output + temp − alias.
 
   python -m experiments.dropin.memory                 # → results.json, memory.png and a table, here; ~30 s
 """
@@ -40,6 +40,7 @@ from flax import nnx
 
 from experiments.sweep import load_config
 from logra_jax import sharding as shd
+from logra_jax.memory_analysis import step_memory
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model, init_model
 from logra_jax.optim import apply_updates, find_targets, logra
@@ -113,7 +114,7 @@ def measure(model: str, weights: str, devices: int, route: str) -> dict[str, int
 
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=-1), jax.devices()[:devices])
     # step_memory shards `rest` (here: the gradients) like the params and donates the train state only.
-    return shd.step_memory(step, init, {}, mesh, compiler_options=shd.FAST_CPU_COMPILE)
+    return step_memory(step, init, {}, mesh, compiler_options=shd.FAST_CPU_COMPILE)
 
 
 def target_sizes(model: str, weights: str) -> dict[str, int]:

@@ -28,6 +28,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 Aggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
+POLICIES: tuple[str, ...] = ("ppo", "reinforce")
 # The aux-metric key under which a loss function reports its normaliser (`aggregation_denominator`): a
 # microbatched train step sums it over microbatches and normalises once (logra_jax.train_step.accumulate_grads).
 LOSS_DENOMINATOR = "loss_denominator"
@@ -216,7 +217,7 @@ class LossConfig:
     max_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in ("ppo", "reinforce"):
+        if self.policy not in POLICIES:
             raise ValueError(f"LossConfig.policy must be 'ppo' or 'reinforce', got {self.policy!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")

@@ -35,6 +35,9 @@ class TextTokenizer(Protocol):
     def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]: ...
 
 
+PROMPT_STYLES: tuple[str, ...] = ("plain", "chat", "compact")
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptFormat:
     """How problems become prompts, SFT targets and scored responses."""
@@ -42,7 +45,7 @@ class PromptFormat:
     style: Literal["plain", "chat", "compact"] = "plain"
 
     def __post_init__(self) -> None:
-        if self.style not in ("plain", "chat", "compact"):
+        if self.style not in PROMPT_STYLES:
             raise ValueError(f"PromptFormat.style must be 'plain', 'chat' or 'compact', got {self.style!r}")
 
     def _compact_question(self, problem: Problem) -> str:

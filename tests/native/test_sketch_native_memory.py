@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from logra_jax import sharding as shd
+from logra_jax.memory_analysis import step_memory
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim import find_targets, logra, scale_by_sketch
@@ -52,7 +53,7 @@ def _memory(sketch_native: bool, mesh) -> tuple[dict[str, int], int]:
     else:  # dense-gradient mode: gradients of the targets only (non-targets are frozen either way)
         step = make_train_step(graphdef, next_token_loss, tx,
                                trainable=lambda path, _: ".".join(map(str, path)) in targets)
-    mem = shd.step_memory(step, init, _batch(), mesh, compiler_options=shd.FAST_CPU_COMPILE)
+    mem = step_memory(step, init, _batch(), mesh, compiler_options=shd.FAST_CPU_COMPILE)
     return mem, sum(4 * math.prod(t.shape) for t in targets.values())
 
 
