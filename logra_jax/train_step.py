@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from logra_jax.native.kl_probe import make_kl_probe, realised_kl
+from logra_jax.native.sketch_probes import SketchProbe, SketchSpec, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
-from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where, make_kl_probe, realised_kl
-from logra_jax.optim.sketch_native import SketchProbe, SketchSpec, sketching
+from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where
 from logra_jax.optim.targets import Target, path_str
 from logra_jax.rl.losses import LOSS_DENOMINATOR
 

@@ -41,8 +41,8 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.optim import NON_TARGET_LABEL, TARGET_LABEL, find_targets, logra, target_labels
-from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -53,7 +53,7 @@ class Linear(nnx.Module):
         else:
             self.bias = None
 
-        # Installed by logra_jax.optim.sketch_native on LoGRA targets: a callable
+        # Installed by logra_jax.native.sketch_probes on LoGRA targets: a callable
         # (x, kernel, probe, digest) -> y that routes the weight's gradient signal into `sketch_probe`.
         self.lowrank_hook = None
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.optim import (
     LowRankUpdate,
     MatrixDims,
@@ -21,7 +22,6 @@ from logra_jax.optim import (
     scale_by_row_adam,
     target_projection,
 )
-from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 RANK = 4

@@ -8,9 +8,9 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.native.sketch_probes import SketchProbe, SketchSpec, attach_sketch_probes, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.projection import target_projection
-from logra_jax.optim.sketch_native import SketchProbe, SketchSpec, attach_sketch_probes, sketching
 from logra_jax.train_step import accumulate_grads, next_token_loss
 
 

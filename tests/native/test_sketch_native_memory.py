@@ -12,8 +12,8 @@ from logra_jax import sharding as shd
 from logra_jax.memory_analysis import step_memory
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.optim import find_targets, logra, scale_by_sketch
-from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 DEVICES = 8

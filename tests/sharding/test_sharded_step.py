@@ -18,7 +18,7 @@ from logra_jax import optim
 from logra_jax import sharding as shd
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
+from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 MESHES = {"fsdp8": shd.MeshConfig(fsdp=8), "fsdp4_tensor2": shd.MeshConfig(fsdp=4, tensor=2),

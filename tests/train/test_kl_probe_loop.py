@@ -10,9 +10,9 @@ from flax import nnx
 import logra_jax.train_step as train_step_mod
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.optim import logra
 from logra_jax.optim.predicted_kl import PredictedKLState
-from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.rl.objective import probe_rows
 from logra_jax.rl.sampler import Rollout
 from logra_jax.train import KLRefusalError, _probe_batch, train_and_evaluate

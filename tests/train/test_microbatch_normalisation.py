@@ -11,8 +11,8 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.optim.lowrank import LowRankUpdate
-from logra_jax.optim.sketch_native import SketchSpec, attach_sketch_probes
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, find_targets
 from logra_jax.rl.losses import AGGREGATIONS, LossConfig
 from logra_jax.rl.objective import make_policy_loss_fn
