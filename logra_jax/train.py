@@ -52,9 +52,7 @@ from logra_jax.rl.objective import (
 )
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
-from logra_jax.rl.rollout_worker import rollout_engine
 from logra_jax.rl.sampler import Sampler, SamplingConfig
-from logra_jax.rl.sync import PolicySync
 from logra_jax.run_config import RunConfig
 from logra_jax.sft import cached_warm_start, supervised_warm_start
 from logra_jax.sharding import (
@@ -68,6 +66,8 @@ from logra_jax.sharding import (
     train_state_shardings,
 )
 from logra_jax.train_step import TrainState, make_train_step
+from logra_jax.transport.rollout_worker import rollout_engine
+from logra_jax.transport.sync import PolicySync
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")

@@ -28,9 +28,9 @@ import numpy as np
 from experiments.device.step_check import _random_batch, prepare
 from logra_jax.memory_analysis import contender_sections, paper_numerics
 from logra_jax.models.config import preset
-from logra_jax.rl.rollout_worker import InProcessTransport
 from logra_jax.rl.sampler import SamplingConfig
-from logra_jax.rl.sync import PolicySync, flat_params
+from logra_jax.transport.rollout_worker import InProcessTransport
+from logra_jax.transport.sync import PolicySync, flat_params
 
 
 def run(smoke: bool, updates: int) -> dict:

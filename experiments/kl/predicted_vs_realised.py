@@ -23,9 +23,9 @@ import numpy as np
 from flax import nnx
 
 from logra_jax.models import load
-from logra_jax.models.chat_demo import smollm2_gguf_path
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.models.smollm2 import smollm2_gguf_path
 from logra_jax.native.kl_probe import predicted_and_realised_kl
 from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.optim import logra

@@ -8,8 +8,9 @@ from flax import nnx
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 from logra_jax import models
-from logra_jax.models.chat_demo import greedy_generate, smollm2_gguf_path
 from logra_jax.models.gguf import read_gguf
+from logra_jax.models.greedy import greedy_generate
+from logra_jax.models.smollm2 import smollm2_gguf_path
 
 PARAGRAPH = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "

@@ -170,7 +170,7 @@ def test_predicted_matches_realised_kl_on_smollm2_controlled_step():
     (realised/predicted ≈ 0.3, see experiments/kl), so the controller scales it to the 2e-4 budget; the
     realised KL of the step it applies matches the prediction within 3%."""
     from logra_jax.models import load
-    from logra_jax.models.chat_demo import smollm2_gguf_path
+    from logra_jax.models.smollm2 import smollm2_gguf_path
 
     model, tokenizer, _ = load(smollm2_gguf_path())
     attach_sketch_probes(model, SketchSpec(rank=32))

@@ -10,8 +10,8 @@ import pytest
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
 from logra_jax.optim.projection import target_projection
 from logra_jax.optim.targets import find_targets
-from logra_jax.rl.rollout_worker import RolloutWeights
-from logra_jax.rl.sync import (
+from logra_jax.transport.rollout_worker import RolloutWeights
+from logra_jax.transport.sync import (
     PayloadError,
     PolicySync,
     SyncError,

@@ -14,9 +14,9 @@ from flax import nnx
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim import LowRankUpdate, apply_updates, find_targets, logra, path_str
-from logra_jax.rl.rollout_worker import InProcessTransport, WorkerError, WorkerProcessTransport, rollout_engine
 from logra_jax.rl.sampler import Sampler, SamplingConfig
-from logra_jax.rl.sync import PolicySync, SyncReply, flat_params
+from logra_jax.transport.rollout_worker import InProcessTransport, WorkerError, WorkerProcessTransport, rollout_engine
+from logra_jax.transport.sync import PolicySync, SyncReply, flat_params
 
 CONFIG = preset("tiny")
 SAMPLING = SamplingConfig(max_new_tokens=8, eos_id=1, pad_id=0, num_samples=2, temperature=1.0)

@@ -1,13 +1,13 @@
 """The rollout side of policy sync: `RolloutWeights` (float32 masters kept bitwise equal to the trainer's by the
-payloads of logra_jax.rl.sync) and the engine around them, in-process (colocated) or in a worker process.
+payloads of logra_jax.transport.sync) and the engine around them, in-process (colocated) or in a worker process.
 
 Both transports expose the same calls, so an RL loop switches with one setting (`rollout_engine(workers=0|1)`):
 sync(payload | bytes) -> SyncReply; generate(prompts, prompt_mask, key) -> Rollout (logra_jax.rl.sampler, on the
 engine's current weights); fetch() -> (version, {path: array}); counts(); close().
-The worker (`python -m logra_jax.rl.rollout_worker --connect HOST:PORT`) connects back to a loopback socket the
+The worker (`python -m logra_jax.transport.rollout_worker --connect HOST:PORT`) connects back to a loopback socket the
 trainer listens on, receives the model and sampling configs and the JAX numerics flags that must match the
 trainer's (default matmul precision, threefry partitioning, x64), then serves one request at a time. Frames:
-u64 little-endian length, an op byte, a body framed by `logra_jax.rl.sync.pack` (a sync carries the payload's own
+u64 little-endian length, an op byte, a body framed by `logra_jax.transport.sync.pack` (a sync carries the payload's own
 bytes); replies are packed {"ok": ...} frames. The worker runs on the trainer's platform by default (bitwise sync
 needs the same backend on both ends) and, on CPU, on one device whatever XLA_FLAGS asked for.
 """
@@ -40,7 +40,7 @@ from logra_jax.models.decoder import abstract_model
 from logra_jax.optim.lowrank import apply_updates
 from logra_jax.optim.targets import path_str
 from logra_jax.rl.sampler import Rollout, Sampler, SamplingConfig
-from logra_jax.rl.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack, weight_fingerprint
+from logra_jax.transport.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack, weight_fingerprint
 
 _OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
 _OP_NAMES = {v: k for k, v in _OPS.items()}
@@ -58,7 +58,7 @@ class RolloutWeights:
     """The rollout engine's float32 masters, kept bitwise equal to the trainer's through payloads.
 
     Example:
-      >>> from logra_jax.rl.sync import snapshot_payload
+      >>> from logra_jax.transport.sync import snapshot_payload
       >>> params = {"q_proj": {"kernel": jnp.ones((4, 8))}}
       >>> rollout = RolloutWeights(jax.eval_shape(lambda: params))
       >>> rollout.receive(snapshot_payload(params, 0)).status
@@ -256,7 +256,7 @@ class WorkerProcessTransport:
         port = listener.getsockname()[1]
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "logra_jax.rl.rollout_worker", "--connect", f"127.0.0.1:{port}"],
+                [sys.executable, "-m", "logra_jax.transport.rollout_worker", "--connect", f"127.0.0.1:{port}"],
                 env={**_worker_env(platform or jax.default_backend()), **(env or {})}, stdout=log,
                 stderr=subprocess.STDOUT)
         self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
