@@ -6,6 +6,9 @@
 
   tx = logra(rank=256, dense_updates=True)              # drop-in: dense ΔW = U·A formed inside the update,
   params = optax.apply_updates(params, updates)         # so optax.apply_updates / nnx.Optimizer work unchanged
+
+Seed plumbing (path digests, per-layer keys) stays in `logra_jax.optim.projection`; sketch-native mode and the
+predicted-KL probe, which need a model, are in `logra_jax.native`.
 """
 
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, logra, target_labels
@@ -24,17 +27,8 @@ from logra_jax.optim.lowrank_scale import (
     densify_lowrank,
     scale_lowrank,
 )
-from logra_jax.optim.projection import (
-    DISTRIBUTIONS,
-    digest_words,
-    key_from_digest,
-    layer_key,
-    layer_seed,
-    path_digest,
-    projection,
-    slice_projections,
-    target_projection,
-)
+from logra_jax.optim.predicted_kl import PredictedKLState, kl_budget_schedule, scale_by_predicted_kl
+from logra_jax.optim.projection import DISTRIBUTIONS, projection, slice_projections, target_projection
 from logra_jax.optim.row_adam import VARIANTS, RowAdamState, row_adam_direction, scale_by_row_adam
 from logra_jax.optim.sketch import SketchState, scale_by_sketch
 from logra_jax.optim.targets import (
@@ -60,6 +54,7 @@ __all__ = [
     "LowRankMeta",
     "LowRankUpdate",
     "MatrixDims",
+    "PredictedKLState",
     "RowAdamState",
     "SketchState",
     "Target",
@@ -69,21 +64,18 @@ __all__ = [
     "check_rank_fits",
     "clip_by_global_norm_lowrank",
     "densify_lowrank",
-    "digest_words",
     "find_targets",
     "is_lowrank",
     "is_lowrank_aware",
-    "key_from_digest",
-    "layer_key",
-    "layer_seed",
+    "kl_budget_schedule",
     "logra",
     "mark_lowrank_aware",
     "match_target",
-    "path_digest",
     "path_keys",
     "path_str",
     "projection",
     "row_adam_direction",
+    "scale_by_predicted_kl",
     "scale_by_row_adam",
     "scale_by_sketch",
     "scale_by_update_ratio",

@@ -9,15 +9,11 @@ import numpy as np
 import pytest
 
 from logra_jax.optim import (
-    digest_words,
     find_targets,
-    key_from_digest,
-    layer_key,
-    layer_seed,
-    path_digest,
     projection,
     target_projection,
 )
+from logra_jax.optim.projection import digest_words, key_from_digest, layer_key, layer_seed, path_digest
 
 PATHS = ["blocks.attn.q_proj.kernel.0", "blocks.mlp.down_proj.kernel.27", "w", "ünïcode.path"]
 STEPS = [0, 1, 299, 65535, 65536, 123_456_789, 2**31 - 1]

@@ -16,7 +16,6 @@ from logra_jax.optim import (
     TargetRule,
     apply_updates,
     find_targets,
-    layer_seed,
     logra,
     projection,
     scale_by_row_adam,
@@ -24,6 +23,7 @@ from logra_jax.optim import (
     scale_by_update_ratio,
     scale_lowrank,
 )
+from logra_jax.optim.projection import layer_seed
 
 # A stacked Flax kernel [L, in, out], a Tunix q einsum kernel [D, N, H] and a Tunix o kernel [N, H, D].
 RULES = (

@@ -15,12 +15,12 @@ from logra_jax.optim import (
     TargetRule,
     apply_updates,
     find_targets,
-    layer_seed,
     logra,
     path_str,
     projection,
     target_labels,
 )
+from logra_jax.optim.projection import layer_seed
 
 
 def get(tree, path):
