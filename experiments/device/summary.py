@@ -2,7 +2,7 @@
 
   python experiments/device/summary.py OUT_DIR
 
-Reads lower.json, bench_<platform>.json, sync.json, step.json and rc_<step>.txt (each step's exit status; a
+Reads lower.json, bench_<platform>.json, sync.json, step.json and exit_status.txt (each step's exit status; a
 missing file is reported as missing, never as a pass), checks the issue's targets and prints one table:
   kernels  every Pallas kernel within 1e-5 (float32 data) / 1e-2 (bfloat16 data) of its full-precision reference;
            never slower than XLA (best setting); ≥ 70% of roofline for the merge and the row moment
@@ -65,7 +65,8 @@ def _yes(flag: Any) -> str:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rcs = {p.stem[3:]: p.read_text().strip() for p in sorted(out.glob("rc_*.txt"))}
+    status = out / "exit_status.txt"  # one "step code" line per step that ran
+    rcs = dict(line.split() for line in status.read_text().splitlines() if line.strip()) if status.exists() else {}
     lower = _load(out / "lower.json")
     bench_files = sorted(out.glob("bench_*.json"))
     bench = _load(bench_files[0]) if bench_files else None

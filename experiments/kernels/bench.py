@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -61,7 +62,7 @@ SWEEPS: dict[str, list[dict[str, Any]]] = {
     "project_bwd": [{}, dict(block_t=128, block_d=32, block_k=128, num_warps=8),
                     dict(block_t=64, block_d=64, block_k=128, num_warps=4)],
     "merge": [{}, dict(block_d=128, block_k=64, num_warps=8, num_stages=2), dict(fp32_dot="bf16x3"),
-              dict(fp32_dot="bf16")],
+              dict(fp32_dot="bf16"), dict(fp32_dot="tf32")],
     "row_moment_paper": [{}, dict(block_d=16), dict(block_d=64, num_warps=8)],
     "row_moment_nemo": [{}, dict(block_d=16), dict(block_d=64, num_warps=8)],
 }
@@ -207,15 +208,18 @@ def cases(shape: dict[str, Any], rank: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+@jax.jit
+def _rel_error_device(x: jax.Array, y: jax.Array) -> jax.Array:
+    x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+    err = jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-30)
+    return jnp.where(jnp.all(jnp.isfinite(x)), err, jnp.inf)
+
+
 def rel_error(out: Any, ref: Any) -> float:
-    """max over outputs of max |out − ref| / max |ref| (inf when out has a NaN or Inf)."""
-    worst = 0.0
-    for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        if not np.all(np.isfinite(x)):
-            return float("inf")
-        worst = max(worst, float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30)))
-    return worst
+    """max over outputs of max |out − ref| / max |ref| (inf when out has a NaN or Inf), reduced on the device
+    (host float64 copies of a 7B stacked weight would need tens of GB)."""
+    return max(float(_rel_error_device(x, y))
+               for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True))
 
 
 def _measure(fn: Callable, case: dict[str, Any], ref: Any, repeats: int, inner: int, t_roof: float) -> dict:
@@ -233,7 +237,7 @@ def _measure(fn: Callable, case: dict[str, Any], ref: Any, repeats: int, inner: 
     return {"median_s": seconds, "pct_roofline": 100.0 * t_roof / seconds, "max_rel_error": error}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] = lambda report: None) -> dict[str, Any]:
     platform = jax.default_backend()
     smoke = args.smoke or platform == "cpu"
     if platform == "cpu":
@@ -246,6 +250,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = args.target if args.target != "auto" else ("gpu" if platform == "gpu" else "tpu")
     pallas = _pallas(platform, target, smoke)
     results: list[dict[str, Any]] = []
+    report = {
+        "platform": platform,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "python": sys.version.split()[0],
+        "pallas_kernels": target,
+        "meaningful_for_speed": not smoke,
+        "note": ("CPU / smoke: tiny shapes, Pallas possibly interpreted; a sanity run, not a speed measurement"
+                 if smoke else "median of repeats; roofline from measured copy bandwidth and bf16 matmul rate"),
+        "command": " ".join(sys.argv),
+        "peaks": peaks,
+        "seconds": 0.0,
+        "results": results,
+    }
     shapes = layer_shapes(smoke, args.tokens)
     for i, shape in enumerate(shapes):
         if time.time() - started > args.budget_s:
@@ -254,6 +272,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rank = 16 if smoke else args.rank
         sweep = target == "gpu" and shape["sweep"]
         for case in cases(shape, rank, seed=i):
+            if time.time() - started > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: skipping {case['kernel']} and the rest", flush=True)
+                break
             t_roof = max(case["bytes"] / peaks["bandwidth_bytes_per_s"], case["flops"] / peaks["matmul_flops_per_s"])
             ref = jax.block_until_ready(case["ref"](*case["args"]))
             row = {**{key: shape[key] for key in ("model", "layer", "t", "k", "d", "layers", "dtype")}, "r": rank,
@@ -269,20 +290,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["pallas_best"] = min(timed_ok, key=lambda e: e["median_s"]) if timed_ok else row["pallas"]
             results.append(row)
             print(_line(row, not smoke), flush=True)
-    return {
-        "platform": platform,
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "python": sys.version.split()[0],
-        "pallas_kernels": target,
-        "meaningful_for_speed": not smoke,
-        "note": ("CPU / smoke: tiny shapes, Pallas possibly interpreted; a sanity run, not a speed measurement"
-                 if smoke else "median of repeats; roofline from measured copy bandwidth and bf16 matmul rate"),
-        "command": " ".join(sys.argv),
-        "peaks": peaks,
-        "seconds": time.time() - started,
-        "results": results,
-    }
+            report["seconds"] = time.time() - started
+            save(report)  # a kill later loses nothing measured so far
+    report["seconds"] = time.time() - started
+    return report
 
 
 def _line(row: dict[str, Any], meaningful: bool) -> str:
@@ -336,10 +347,17 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new shape after this many seconds")
     args = parser.parse_args()
-    report = run(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{report['platform']}"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    stem = f"bench_{jax.default_backend()}"
+
+    def save(report: dict[str, Any]) -> None:
+        tmp = args.out_dir / f"{stem}.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(args.out_dir / f"{stem}.json")
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # rows already saved stay
+    report = run(args, save)
+    save(report)
     try:
         plot(report, args.out_dir / f"{stem}.png")
     except ImportError as err:  # matplotlib missing: the JSON is the result

@@ -2,8 +2,10 @@
 
   python experiments/kernels/lower_all.py [--out lower.json]
 
-No accelerator is needed: `jit(f).trace(...).lower(lowering_platforms=(...))` runs the Pallas lowering on any
-machine. Run by `experiments/kernels/lower_newest.sh` (the newest jax a registry offers, in a scratch virtualenv)
+No accelerator is needed under jax 0.10: `jit(f).trace(...).lower(lowering_platforms=(...))` runs the Pallas
+lowering on any machine (JAX_PLATFORMS defaults to cpu here). From jax 0.11 the Triton lowering reads the GPU model
+from a default device, so on a GPU machine run it with JAX_PLATFORMS=cuda,cpu (check.sh does).
+Run by `experiments/kernels/lower_newest.sh` (the newest jax a registry offers, in a scratch virtualenv)
 and by `experiments/device/check.sh` (the accelerator machine's own jax). Prints one line per kernel and platform
 and exits 1 if any kernel failed to lower.
 """

@@ -68,9 +68,10 @@ def _params(num_warps: int, num_stages: int, interpret: bool):
 
 # How float32 operands are multiplied on the GPU: 3-pass TF32 or 3-pass bf16 (both ≈ float32, ~1e-6 relative)
 # instead of plain TF32 (~1e-3), Triton's default for a float32 dot; "bf16" casts both operands to bf16 (exact for
-# the merge when round_bf16 and A is Rademacher ±1/√r with r a power of 4, e.g. 256).
-FP32_DOTS: tuple[str, ...] = ("tf32x3", "bf16x3", "bf16")
-_PRESETS = {"tf32x3": "TF32_TF32_F32_X3", "bf16x3": "BF16_BF16_F32_X3"}
+# the merge when round_bf16 and A is Rademacher ±1/√r with r a power of 4, e.g. 256); "tf32" is one TF32 pass
+# (XLA's default for float32 on GPUs; also exact for that merge).
+FP32_DOTS: tuple[str, ...] = ("tf32x3", "bf16x3", "bf16", "tf32")
+_PRESETS = {"tf32x3": "TF32_TF32_F32_X3", "bf16x3": "BF16_BF16_F32_X3", "tf32": "TF32_TF32_F32"}
 
 
 def _dot(a: jax.Array, b: jax.Array, dims, interpret: bool, fp32_dot: str = "tf32x3") -> jax.Array:
