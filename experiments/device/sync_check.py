@@ -49,8 +49,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from experiments.device.step_check import PROBES, model_config, random_batch  # noqa: E402 -- after sys.path
+
 SECTION = "logra_sketch_native_kl"
-PROBES = 2  # the paper's KL probe: 2 single-response sequences per device
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -59,42 +60,6 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         return {"model": "tiny", "seq_len": 64, "prompt_len": 16, "rank": 8, "logprob_chunk": 16}
     return {"model": args.model, "seq_len": args.seq_len, "prompt_len": args.seq_len // 4, "rank": args.rank,
             "logprob_chunk": min(512, args.seq_len // 4)}
-
-
-def model_config(s: dict[str, Any]) -> Any:
-    """The paper's numerics (bf16 compute, fp32 weights, full remat, chunked attention); for "tiny" the same
-    numerics and Qwen2 layout at unit-test widths."""
-    from logra_jax.memory_analysis import paper_numerics
-    from logra_jax.models.config import preset
-
-    if s["model"] == "tiny":
-        return preset("tiny", architecture="qwen2", qkv_bias=True, dtype="bfloat16", remat="full",
-                      attention_impl="chunked", attention_chunk=16, max_seq_len=max(s["seq_len"], 64))
-    return paper_numerics(s["model"], s["seq_len"])
-
-
-def random_batch(abstract: Any, vocab: int, prompt_len: int, seed: int) -> Any:
-    """Host arrays for the step's batch: random tokens, every position valid, advantages ~ N(0, 1), rollout
-    log-probs near a uniform policy's; the probe's KL mask covers the response positions."""
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-
-    def make(path: Any, sds: Any) -> np.ndarray:
-        name = jax.tree_util.keystr(path)
-        dtype = np.dtype(sds.dtype)
-        if "tokens" in name:
-            return rng.integers(0, vocab, sds.shape).astype(dtype)
-        if "kl_mask" in name:
-            return np.broadcast_to(np.arange(sds.shape[-1]) >= prompt_len, sds.shape).astype(dtype)
-        if dtype == np.bool_:
-            return np.ones(sds.shape, dtype)
-        if "rollout_logprobs" in name:
-            return (-math.log(vocab) + 0.1 * rng.normal(size=sds.shape)).astype(dtype)
-        return rng.normal(size=sds.shape).astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(make, abstract)
 
 
 def bitwise_compare(want: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:

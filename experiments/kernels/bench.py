@@ -50,7 +50,7 @@ from logra_jax.kernels.project import (
     fused_forward,
     fused_forward_reference,
 )
-from logra_jax.kernels.row_moment import _bias_correction, _paper_row_scale, row_moment, row_moment_reference
+from logra_jax.kernels.row_moment import _row_moment_gpu, row_moment, row_moment_reference
 from logra_jax.models.config import preset
 
 HERE = Path(__file__).resolve().parent
@@ -152,15 +152,11 @@ def _pallas(platform: str, target: str, smoke: bool) -> dict[str, Callable[..., 
     def rows(variant):
         def make(**kw):
             blocks = {"block_d": 64} if smoke and "block_d" not in kw else {}
-            if on_gpu:  # the kernels themselves (settings reach them); the O(d) paper finish as in the wrapper
+            if on_gpu:  # the wrapper's GPU path itself, so the settings reach its kernels
                 def one(s, v):
-                    hyper = jnp.stack([jnp.float32(0.95), _bias_correction(3, 0.95), jnp.float32(1e-8),
-                                       jnp.float32(0.0)])
-                    if variant == "nemo":
-                        return gpu.row_moment_gpu(s, v, hyper, variant="nemo", **interp, **blocks, **kw)
-                    v_new, rho, rowsq = gpu.row_moment_gpu(s, v, hyper, variant="paper", **interp, **blocks, **kw)
-                    scale = _paper_row_scale(rho[:, None], rowsq[:, None], jnp.float32(1e-8))[:, 0]
-                    return v_new, gpu.row_scale_gpu(s, scale, **interp, **blocks, **kw)
+                    kw_all = {"block_d": None, **blocks, **kw}
+                    return _row_moment_gpu(s, v, 3, b2=0.95, eps=1e-8, variant=variant,
+                                           interpret=bool(interp), **kw_all)
             else:
                 def one(s, v):
                     return row_moment(s, v, 3, variant=variant, implementation="pallas", **interp, **blocks, **kw)

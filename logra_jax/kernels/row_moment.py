@@ -135,14 +135,16 @@ def _row_moment_pallas(s, v, count, *, b2, eps, variant, interpret, block_d):
     return v_new.reshape(d), d_out
 
 
-def _row_moment_gpu(s, v, count, *, b2, eps, variant, interpret, block_d):
+def _row_moment_gpu(s, v, count, *, b2, eps, variant, interpret, block_d, **launch):
+    """The GPU kernels and the O(d) paper finish; `launch`: num_warps / num_stages for both kernels."""
     b2, eps = jnp.asarray(b2, jnp.float32), jnp.asarray(eps, jnp.float32)
     hyper = jnp.stack([b2, _bias_correction(count, b2), eps, jnp.zeros((), jnp.float32)])
     if variant == "nemo":
-        return gpu.row_moment_gpu(s, v, hyper, variant="nemo", interpret=interpret, block_d=block_d)
-    v_new, rho, rowsq = gpu.row_moment_gpu(s, v, hyper, variant="paper", interpret=interpret, block_d=block_d)
+        return gpu.row_moment_gpu(s, v, hyper, variant="nemo", interpret=interpret, block_d=block_d, **launch)
+    v_new, rho, rowsq = gpu.row_moment_gpu(s, v, hyper, variant="paper", interpret=interpret, block_d=block_d,
+                                           **launch)
     scale = _paper_row_scale(rho[:, None], rowsq[:, None], eps)[:, 0]
-    return v_new, gpu.row_scale_gpu(s, scale, interpret=interpret, block_d=block_d)
+    return v_new, gpu.row_scale_gpu(s, scale, interpret=interpret, block_d=block_d, **launch)
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "implementation", "interpret", "block_d", "target"))
