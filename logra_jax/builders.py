@@ -106,7 +106,7 @@ def build_tasks(task: TaskSection, sft: SFTSection, data_dir: Path) -> Tasks:
         every_train = [every_train[i] for i in keep]
     demos = sft_problems(task, sft, held_out) if sft.steps else []
 
-    def train_batches(batch_size: int, *, seed: int) -> grain.IterDataset:
-        return problem_batches(train, batch_size, seed=seed)
+    def train_batches(batch_size: int, *, seed: int, part: tuple[int, int] = (0, 1)) -> grain.IterDataset:
+        return problem_batches(train, batch_size, seed=seed, part=part)
 
     return Tasks(train_batches, eval_problems, demos, every_train)

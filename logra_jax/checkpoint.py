@@ -243,8 +243,10 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         target = Path(destination) / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(str(self.step_dir(step)), target)
+        if jax.process_index() == 0:  # one directory that every process sees: process 0 moves it (and logs)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(str(self.step_dir(step)), target)
+        _barrier(f"set_aside {step}")
         self._manager.reload()
         return target
 
@@ -297,7 +299,7 @@ class CheckpointManager:
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be a non-negative integer, got {step!r}")
         step = int(step)
-        data_state = _check_json(data_state, "data_state")
+        data_state = _gather_data_states(_check_json(data_state, "data_state"))
         extra = _check_json(extra, "extra")
         if not force and not self.should_save(step):
             return False
@@ -372,7 +374,8 @@ class CheckpointManager:
                                       f"fingerprint ({value} != {entry['fingerprint']}){hint}")
         leaves = [jax.random.wrap_key_data(x, impl=e["key_impl"]) if e["key_impl"] else x
                   for x, e in zip(leaves, expected)]
-        return jax.tree_util.tree_unflatten(treedef, leaves), dict(items["data"]), dict(items["extra"])
+        data = _own_data_state(dict(items["data"]), where)
+        return jax.tree_util.tree_unflatten(treedef, leaves), data, dict(items["extra"])
 
     def _read(self, step: int, where: str, hint: str, **items: Any) -> Any:
         try:
@@ -397,6 +400,42 @@ class CheckpointManager:
         """Finish pending saves and release orbax's resources."""
         self.wait_until_finished()
         self._manager.close()
+
+
+PER_PROCESS = "per_process"
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _gather_data_states(state: dict[str, Any]) -> dict[str, Any]:
+    """A multi-process run's data-iterator states, one per process: {"per_process": [state_0, ...]} (every
+    process reads its own data shard, so each has its own iterator). Single-process: `state` unchanged."""
+    if jax.process_count() == 1:
+        return state
+    from jax.experimental import multihost_utils
+    raw = np.frombuffer(json.dumps(state, sort_keys=True).encode(), np.uint8)
+    longest = int(np.max(multihost_utils.process_allgather(np.int32(raw.size))))
+    padded = np.zeros(longest, np.uint8)
+    padded[:raw.size] = raw
+    rows = multihost_utils.process_allgather(padded)
+    return {PER_PROCESS: [json.loads(bytes(r).rstrip(b"\0").decode()) for r in np.asarray(rows)]}
+
+
+def _own_data_state(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """This process's data-iterator state from a checkpoint's data item (see `_gather_data_states`)."""
+    saved = data.get(PER_PROCESS)
+    count = jax.process_count()
+    if saved is None and count == 1:
+        return data
+    saved_count = 1 if saved is None else len(saved)
+    if saved_count != count:
+        raise CheckpointError(f"{where} holds the data-iterator state of {saved_count} process(es); this run has "
+                              f"{count} (resume with the number of processes that wrote it)")
+    return dict(saved[jax.process_index()])
 
 
 def _check_writable(directory: epath.Path) -> None:

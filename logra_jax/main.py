@@ -1,5 +1,12 @@
 """Entry point: python -m logra_jax.main --config=configs/<name>.py --workdir=DIR [--config.train.steps=10 ...].
 
+Several processes (hosts) form one run when each is started with the same command and its identity, taken in
+this order from: --coordinator_address/--num_processes/--process_id; the environment variables
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; JAX's own cluster detection (TPU pod slices, SLURM,
+Open MPI); else the run is a single process. The processes meet at the coordinator (a missing one is a
+DistributedInitError within LOGRA_DISTRIBUTED_TIMEOUT_S, default 300 s), the mesh spans all their devices, and
+an error on any process stops every process, each naming the one that failed (README "Run on several hosts").
+
 Exit status: 0 finished (or already finished); 1 an error, whose one-line description is the last thing printed
 (after the traceback for unexpected errors; expected ones — bad config, unreadable or unwritable checkpoints,
 non-finite metrics, KL refusals — print only the line); 128 + N when signal N stopped the run after a checkpoint
@@ -12,10 +19,11 @@ import os
 import sys
 import traceback
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from logra_jax import train
+from logra_jax import multihost, train
 from logra_jax.checkpoint import CheckpointError
 from logra_jax.lifecycle import RunPreempted
 from logra_jax.metrics import NonFiniteMetricError
@@ -23,6 +31,9 @@ from logra_jax.metrics import NonFiniteMetricError
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots (resumed if present).")
 flags.mark_flags_as_required(["config", "workdir"])
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run (multi-process runs).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
 
 # Errors that describe bad input or a run's state completely: their message is enough, a traceback only buries it.
 EXPECTED = (CheckpointError, FileNotFoundError, NonFiniteMetricError, train.KLRefusalError)
@@ -42,19 +53,37 @@ def _exit(code: int, message: str = "") -> None:
     os._exit(code)
 
 
+def _peer_failed(text: str) -> None:
+    """Another process of the run failed (the failure watch's callback): stop this one at once, naming it."""
+    _exit(1, f"error: stopping process {jax.process_index()} because {text}")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint step at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
     try:
+        identity = multihost.resolve(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        if identity is not None:
+            multihost.initialize(identity)
+            multihost.watch_failures(_peer_failed)
+    except (ValueError, multihost.DistributedInitError) as e:
+        _exit(1, f"error: {type(e).__name__}: {e}")
+    try:
         train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except RunPreempted as e:
+        multihost.stop_watching()
         _exit(e.exit_code, f"{e}; run the same command again to resume")
     except Exception as e:  # every error ends the process here, described last
         if not _expected(e):
             traceback.print_exc()
-        _exit(1, f"error: {type(e).__name__}: {e}")
+        message = f"{type(e).__name__}: {e}"
+        multihost.announce_failure(message)  # the other processes stop now instead of waiting in a collective
+        _exit(1, f"error: {message}" if identity is None else f"error: process {jax.process_index()}: {message}")
+    if identity is not None:
+        multihost.stop_watching()
+        multihost.shutdown()
     _exit(0)
 
 

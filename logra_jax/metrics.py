@@ -109,6 +109,19 @@ def _drop_unfinished_line(path: Path) -> None:
         os.truncate(path, data.rfind(b"\n") + 1)
 
 
+class NullWriter:
+    """What the non-primary processes of a multi-process run write metrics with: nothing (MetricsWriter's calls)."""
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        del step, metrics
+
+    def truncate_after(self, step: int) -> None:
+        del step
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsWriter:
     """Appends {"step": n, **metrics} lines to workdir/metrics.jsonl and scalars to TensorBoard event files.
 
@@ -356,17 +369,26 @@ class Logger:
       True
     """
 
-    def __init__(self, workdir: str | Path, *, filename: str = "log.txt", stream: TextIO | None = None) -> None:
+    def __init__(self, workdir: str | Path, *, filename: str = "log.txt", stream: TextIO | None = None,
+                 primary: bool = True, label: str = "") -> None:
+        """primary: False on the other processes of a multi-process run, which write only messages logged with
+        everywhere=True (errors), to `stream` alone, prefixed with `label` (e.g. "process 1")."""
         self.path = Path(workdir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.stream = stream
+        self.primary = primary
+        self.label = label
 
-    def __call__(self, message: str) -> None:
-        """Write `message` with the local time in front."""
-        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
+    def __call__(self, message: str, *, everywhere: bool = False) -> None:
+        """Write `message` with the local time in front (on a non-primary process only when `everywhere`)."""
+        if not (self.primary or everywhere):
+            return
+        label = f"[{self.label}] " if self.label else ""
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {label}{message}"
         tqdm.tqdm.write(line, file=self.stream if self.stream is not None else sys.stderr)
-        with self.path.open("a") as f:
-            f.write(line + "\n")
+        if self.primary:
+            with self.path.open("a") as f:
+                f.write(line + "\n")
 
 
 def _proc_status_bytes(path: str = "/proc/self/status") -> dict[str, int]:

@@ -14,11 +14,13 @@ the same port (process 0 closes its listener first; clients retry until the serv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 
@@ -232,3 +234,141 @@ def initialize(config: DistributedConfig | None = None) -> bool:
 def shutdown() -> None:
     """Leave the multi-process runtime (a no-op when it was never initialised)."""
     jax.distributed.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The main job's view: who this process is, one place that says "process 0 only", barriers, and failures that
+# stop every process instead of leaving the others blocked in a collective.
+
+_FAILURE_KEY = "logra_jax/failure"
+_WATCH_POLL_MS = 500
+_watch: dict[str, Any] = {}
+
+
+def detect_cluster(timeout_s: int = 300) -> DistributedConfig | None:
+    """The run JAX's own cluster auto-detection finds (TPU pod slices, SLURM, Open MPI, Kubernetes), or None.
+
+    Uses `jax._src.clusters` (the code behind `jax.distributed.initialize()` without arguments) so that an
+    auto-detected run goes through the same `rendezvous` as an explicit one. Returns None when no cluster
+    environment is present, when it describes a single process, or when this JAX moved that module.
+    """
+    try:
+        from jax._src import clusters
+        present = [env for env in clusters.ClusterEnv._cluster_types
+                   if not env.opt_in_only_method and env.is_env_present()]
+        if not present:
+            return None
+        address, n, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, None, timeout_s)
+    except (ImportError, AttributeError):
+        return None
+    if address is None or n is None or pid is None or int(n) <= 1:
+        return None
+    local_ids = None if local is None else tuple(int(i) for i in ([local] if isinstance(local, int) else local))
+    return DistributedConfig(str(address), int(n), int(pid), local_ids, timeout_s)
+
+
+def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
+            process_id: int | None = None, *, env: Mapping[str, str] | None = None,
+            auto_detect: bool = True) -> DistributedConfig | None:
+    """This process's identity, in order: explicit values (flags), the JAX_* environment variables, JAX's
+    cluster auto-detection (`detect_cluster`); None for a single-process run.
+
+    Raises:
+      ValueError: explicit values given only in part (names the missing ones), or invalid ones.
+    """
+    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ValueError(f"--coordinator_address, --num_processes and --process_id go together; missing: "
+                             f"{', '.join('--' + m for m in missing)}")
+        timeout = int((os.environ if env is None else env).get(ENV_TIMEOUT, 300))
+        return DistributedConfig(coordinator_address, num_processes, process_id, timeout_s=timeout)
+    config = DistributedConfig.from_env(env)
+    if config is not None or not auto_detect:
+        return config
+    return detect_cluster()
+
+
+def is_primary() -> bool:
+    """True on process 0 (the one that writes logs, metrics, plots and summaries)."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (a no-op in a single-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+@contextlib.contextmanager
+def primary_first(name: str) -> Iterator[None]:
+    """Run the block on process 0 first, then on the others (shared files: process 0 writes, the others read)."""
+    if jax.process_index() != 0:
+        barrier(f"{name}: process 0 done")
+    yield
+    if jax.process_index() == 0:
+        barrier(f"{name}: process 0 done")
+
+
+def _client() -> Any:
+    from jax._src import distributed
+    return distributed.global_state.client
+
+
+def announce_failure(message: str, *, linger_s: float = 2.0) -> None:
+    """Tell every process of the run that this one failed with `message` (they stop at once, naming it).
+
+    The message goes into the coordination service's key-value store, which every process's failure watch
+    (`watch_failures`) polls. Process 0 hosts that service, so it lingers `linger_s` seconds before the caller
+    exits, for the others to read the message. A no-op in a single-process run.
+    """
+    client = _client() if jax.process_count() > 1 else None
+    if client is None:
+        return
+    stop_watching()
+    try:
+        client.key_value_set(_FAILURE_KEY, f"process {jax.process_index()}: {message}")
+    except Exception:
+        return
+    if jax.process_index() == 0:
+        time.sleep(linger_s)
+
+
+def watch_failures(on_failure: Any) -> None:
+    """Start a daemon thread that calls `on_failure(text)` when another process announces a failure, or when
+    the coordination service (hosted by process 0) becomes unreachable. A no-op in a single-process run."""
+    client = _client() if jax.process_count() > 1 else None
+    if client is None or _watch:
+        return
+    import threading
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                text = client.blocking_key_value_get(_FAILURE_KEY, _WATCH_POLL_MS)
+            except Exception as e:
+                if stop.is_set() or "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                    continue
+                on_failure(f"process 0: lost contact with the coordinator ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})")
+                return
+            if not stop.is_set():
+                on_failure(text)
+            return
+
+    thread = threading.Thread(target=loop, name="logra-failure-watch", daemon=True)
+    _watch.update(stop=stop, thread=thread)
+    thread.start()
+
+
+def stop_watching() -> None:
+    """Stop the failure watch (before a normal shutdown, so that the peers leaving is not taken for a failure)."""
+    if _watch:
+        _watch["stop"].set()
+        _watch["thread"].join(timeout=2 * _WATCH_POLL_MS / 1000 + 1)
+        _watch.clear()

@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -410,6 +411,61 @@ def batch_shardings(abstract_batch: T, mesh: Mesh, rules: LogicalRules = DEFAULT
 def replicated(mesh: Mesh) -> NamedSharding:
     """The fully replicated sharding on `mesh` (scalars, metrics)."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def process_rows(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[int, int]:
+    """The rows [start, stop) of the leading axis that this process's devices hold of an array of `shape`
+    under `sharding` (all rows in a single-process run).
+
+    Raises:
+      ValueError: the process holds no rows, or rows that are not one contiguous block (a mesh whose device
+        order interleaves processes along the batch axes).
+    """
+    spans = set()
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        first = index[0] if index else slice(None)
+        spans.add((first.start or 0, shape[0] if first.stop is None else first.stop))
+    spans = sorted(spans)
+    if not spans or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
+        raise ValueError(f"process {jax.process_index()} holds rows {spans} of a {tuple(shape)} array sharded "
+                         f"{sharding}; rows must form one contiguous block per process (order the mesh's "
+                         "devices by process)")
+    return spans[0][0], spans[-1][1]
+
+
+def global_rows(local: Any, sharding: jax.sharding.Sharding, global_shape: Sequence[int]) -> jax.Array:
+    """The global array whose rows `process_rows(sharding, global_shape)` are this process's `local` rows
+    (`jax.make_array_from_process_local_data`: nothing is sent between processes)."""
+    return jax.make_array_from_process_local_data(sharding, local, tuple(global_shape))
+
+
+def local_rows(x: jax.Array) -> Any:
+    """A host (numpy) copy of the rows of global array `x` that this process holds (all of them in a
+    single-process run); nothing is gathered from other processes."""
+    import numpy as np
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    start, stop = process_rows(x.sharding, x.shape)
+    out = None
+    for shard in x.addressable_shards:
+        rows = shard.index[0] if shard.index else slice(None)
+        lo, hi = rows.start or 0, x.shape[0] if rows.stop is None else rows.stop
+        if out is None:
+            out = np.empty((stop - start, *x.shape[1:]), x.dtype)
+        out[(slice(lo - start, hi - start), *shard.index[1:])] = np.asarray(shard.data)
+    return out
+
+
+def to_global(tree: T, shardings: Any) -> T:
+    """Place a tree held whole by every process (the same values everywhere, e.g. a model every process
+    initialised from the same seed) into `shardings`; each process keeps only its own shards."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):  # one sharding for every leaf
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    host = jax.device_get(tree)
+    return jax.tree.map(lambda h, s: jax.make_array_from_callback(h.shape, s, lambda index: h[index]),
+                        host, shardings)
 
 
 def abstract_sharded(abstract: T, shardings: Any) -> T:

@@ -17,6 +17,7 @@ checkpoint reproduces the uninterrupted run bit for bit.
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from logra_jax import metrics as metrics_lib
+from logra_jax import multihost
 from logra_jax.builders import build_model, build_tasks
 from logra_jax.checkpoint import CheckpointError, CheckpointManager
 from logra_jax.lifecycle import (
@@ -59,15 +61,19 @@ from logra_jax.sharding import (
     MeshConfig,
     abstract_sharded,
     batch_shardings,
+    global_rows,
     jit_train_step,
+    local_rows,
     make_mesh,
     param_shardings,
+    process_rows,
     replicated,
+    to_global,
     train_state_shardings,
 )
 from logra_jax.train_step import TrainState, make_train_step
 from logra_jax.transport.rollout_worker import rollout_engine
-from logra_jax.transport.sync import PolicySync
+from logra_jax.transport.sync import PolicySync, flat_params
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")
@@ -95,7 +101,7 @@ def _probe_batch(rollout, rows: np.ndarray, step: int) -> dict[str, jax.Array]:
     would otherwise take an unmeasured full step)."""
     tokens = rollout.tokens[rows]
     response = rollout.response_mask[rows]
-    if not np.asarray(rollout.response_mask)[rows].any():  # host copy already fetched to decode the responses
+    if not bool(jnp.any(response)):  # a replicated scalar: every process of a multi-process run agrees
         raise ValueError(f"RL step {step}: the predicted-KL probe responses (rollout rows {rows.tolist()}) hold no "
                          "generated token, so the step's KL cannot be predicted")
     prompt_len = rollout.prompt_mask.shape[1]
@@ -132,30 +138,42 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     run = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    log = metrics_lib.Logger(workdir)
+    multi = jax.process_count() > 1  # process 0 writes the log, metrics, plots and summary; all log errors
+    log = metrics_lib.Logger(workdir, primary=multihost.is_primary(),
+                             label=f"process {jax.process_index()}" if multi else "")
     with StopRequests() as stop:
         try:
             summary = _train_and_evaluate(run, workdir, log, stop, reward_fn)
         except RunPreempted as e:
-            log(f"stopped: preempted: {e}; run the same command again to resume")
+            log(f"stopped: preempted: {e}; run the same command again to resume", everywhere=True)
             raise
         except metrics_lib.NonFiniteMetricError as e:
-            log(f"stopped: {e}")
+            log(f"stopped: {e}", everywhere=True)
             raise
         except BaseException as e:
-            log(f"stopped: error: {type(e).__name__}: {e}")
+            log(f"stopped: error: {type(e).__name__}: {e}", everywhere=True)
             raise
     return summary
 
 
 def _check_devices(run: RunConfig) -> None:
-    """The mesh must fit the devices this process sees (checked before any work)."""
+    """The mesh must fit the devices this process sees; a multi-process run's mesh spans every process's
+    devices, and its rollouts stay on that mesh (checked before any work)."""
     t = run.train
     needed = t.mesh_data * t.mesh_fsdp * t.mesh_tensor
+    sizes = f"config.train.mesh_data × mesh_fsdp × mesh_tensor = {t.mesh_data} × {t.mesh_fsdp} × {t.mesh_tensor}"
     if needed > jax.device_count():
-        raise ValueError(f"config.train.mesh_data × mesh_fsdp × mesh_tensor = {t.mesh_data} × {t.mesh_fsdp} × "
-                         f"{t.mesh_tensor} = {needed} devices, but this process sees {jax.device_count()} "
+        raise ValueError(f"{sizes} = {needed} devices, but this process sees {jax.device_count()} "
                          f"({jax.default_backend()})")
+    processes = jax.process_count()
+    if processes > 1 and needed != jax.device_count():
+        raise ValueError(f"{sizes} = {needed} devices, but the {processes} processes of this run have "
+                         f"{jax.device_count()} ({jax.local_device_count()} each); a multi-process run's mesh "
+                         "must span all of them")
+    if processes > 1 and run.rollout.workers:
+        raise ValueError(f"config.rollout.workers = {run.rollout.workers}: a separate rollout worker process is "
+                         f"for single-process runs; with {processes} processes use rollout.workers = 0 (the "
+                         "colocated engine on the global mesh)")
 
 
 def _log_finished(log: metrics_lib.Logger, workdir: Path, summary: dict[str, Any], evidence: str) -> None:
@@ -177,6 +195,7 @@ def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: me
     summary_path = workdir / "summary.json"
     summary = read_json(summary_path, "run summary") if summary_path.exists() else None
     current = run.to_dict()
+    record = record_config if multihost.is_primary() else (lambda *args, **kwargs: None)
     if not steps:
         if summary is not None:  # finished without checkpoints: nothing to continue from
             if summary.get("steps") == run.train.steps:
@@ -185,7 +204,7 @@ def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: me
             raise ValueError(f"config.train.steps = {run.train.steps}: the run in {workdir} finished "
                              f"{summary.get('steps')} steps without checkpoints (train.checkpoint_every = 0), so it "
                              "cannot be continued; use a new workdir")
-        record_config(workdir, current, start_step=0, changes=None)
+        record(workdir, current, start_step=0, changes=None)
         return [], None
     config_path = workdir / "config.json"
     changes = check_resume(read_json(config_path, "saved config"), current, str(workdir)) \
@@ -206,7 +225,7 @@ def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: me
         return [], summary
     if changes:
         log(f"resuming with a changed config: {describe_changes(changes)}")
-    record_config(workdir, current, start_step=candidates[0], changes=changes)
+    record(workdir, current, start_step=candidates[0], changes=changes)
     return candidates, None
 
 
@@ -230,13 +249,16 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
          ckpt: CheckpointManager, opened: list[Any]) -> dict[str, Any]:
     wall_start = time.perf_counter()
     candidates, finished = _resume_plan(run, workdir, ckpt, log)
+    multihost.barrier("resume plan")  # every process has read the saved config before process 0 rewrote it
     if finished is not None:
         return finished
     resume_step = candidates[0] if candidates else None
+    primary = multihost.is_primary()
 
     model, tokenizer = build_model(run.model)
     fmt = PromptFormat(run.task.prompt_style)
-    tasks = build_tasks(run.task, run.sft, workdir / "data")
+    with multihost.primary_first("prepare the task data"):  # process 0 writes the tfds files, the others read
+        tasks = build_tasks(run.task, run.sft, workdir / "data")
     prompt_len = max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems],
                                    tokenizer, fmt)
     rollout_cfg = SamplingConfig(max_new_tokens=run.rollout.max_new_tokens, eos_id=tokenizer.eos_id,
@@ -247,7 +269,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
                                 pad_id=tokenizer.pad_id, num_samples=1, temperature=0.0)
 
     check_optimizer_fits(run.optimizer, model)
-    writer = metrics_lib.MetricsWriter(workdir)
+    writer = metrics_lib.MetricsWriter(workdir) if primary else metrics_lib.NullWriter()
     opened.append(writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
@@ -266,7 +288,8 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
             settings = run.to_dict()
             key = {"model": settings["model"], "task": settings["task"], "seed": run.train.seed, "length": sft_len,
                    "sft": {k: v for k, v in settings["sft"].items() if k != "cache_dir"}}
-            sft, cached = cached_warm_start(model, warm_start, run.sft.cache_dir, key)
+            with multihost.primary_first("SFT cache"):  # process 0 fills the cache, the others read it
+                sft, cached = cached_warm_start(model, warm_start, run.sft.cache_dir, key)
             if cached:
                 log(f"SFT weights loaded from the cache in {run.sft.cache_dir}")
         else:
@@ -288,18 +311,21 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
                                     **estimator_options)
     state = TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32))
-    est_state = estimator.init()
-    data_iter = iter(tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed))
 
-    # Shard state and batches over the configured (data, fsdp, tensor) mesh (1×1×1 = one device).
+    # Shard state and batches over the configured (data, fsdp, tensor) mesh (1×1×1 = one device); in a
+    # multi-process run it spans every process's devices and each process holds its own shards.
     mesh = make_mesh(MeshConfig(run.train.mesh_data, run.train.mesh_fsdp, run.train.mesh_tensor),
                      jax.devices()[:run.train.mesh_data * run.train.mesh_fsdp * run.train.mesh_tensor])
     state_sh = train_state_shardings(state, mesh)
     rest_sh = param_shardings(rest, mesh, sources=state.params)
-    state, rest = jax.device_put(state, state_sh), jax.device_put(rest, rest_sh)
+    state, rest = to_global(state, state_sh), to_global(rest, rest_sh)
+    est_state = to_global(estimator.init(), replicated(mesh))
     n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
     batch_sh = batch_shardings(rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens,
                                                  with_ref=run.algorithm.kl_beta > 0), mesh)
+    # Each process reads, samples and scores only the prompts of its own rows of every global batch.
+    mine = _ProcessRows(run, mesh, prompt_len)
+    data_iter = iter(tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
     probe_shapes = probe_batch_shapes(run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens)
     probe_sh = batch_shardings(probe_shapes, mesh) if plan.kl_probe is not None else None
     step_fn = jit_train_step(lambda st, rs, b, pr: train_step(st, rs, b, **({} if pr is None else {"probe": pr})),
@@ -313,7 +339,8 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
             temperature=run.rollout.temperature))
 
     if resume_step is not None:
-        abstract = (abstract_sharded(state, state_sh), est_state)
+        abstract = (abstract_sharded(state, state_sh),
+                    abstract_sharded(est_state, jax.tree.map(lambda _: replicated(mesh), est_state)))
         (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
         data_iter.set_state(data_state)
         writer.truncate_after(resume_step)
@@ -322,14 +349,25 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
 
     # Rollouts come from the engine, whose weights follow the trainer's through low-rank policy sync;
     # held-out evaluation decodes greedily with the trainer's own weights.
-    engine = rollout_engine(run.rollout.workers, model.config, rollout_cfg)
+    # The colocated engine keeps its copy in the trainer's shardings (each process updates its own shards).
+    options = {} if run.rollout.workers else {"shardings": {**flat_params(state_sh.params), **flat_params(rest_sh)}}
+    engine = rollout_engine(run.rollout.workers, model.config, rollout_cfg, **options)
     opened.append(engine)
-    sync = PolicySync(engine.sync, state.params, version=int(state.step), trained=plan.dense_paths(state.params))
+    sync = PolicySync(engine.sync, state.params, version=int(state.step), trained=plan.dense_paths(state.params),
+                      on_device=engine.on_device)
     greedy = Sampler(model, greedy_cfg)
+    everywhere = replicated(mesh)
+
+    def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Any:
+        """Greedy responses for prompts every process holds, returned to every process (held-out problems)."""
+        prompts, mask = to_global((prompts, mask), (everywhere, everywhere))
+        out = greedy(prompts, mask, key, state=nnx.merge_state(state.params, rest))
+        return jax.device_put(out, everywhere) if jax.process_count() > 1 else out
+
     def evaluate(show: str = "") -> float:
         """Held-out greedy accuracy; with `show`, log the first problems' greedy responses under that label."""
         accuracy, responses = greedy_accuracy(
-            lambda p, m, k: greedy(p, m, k, state=nnx.merge_state(state.params, rest)), tasks.eval_problems,
+            greedy_on_mesh, tasks.eval_problems,
             tokenizer, fmt, prompt_len, run.rollout.prompts_per_step * run.rollout.num_samples)
         for problem, response in list(zip(tasks.eval_problems, responses))[:EXAMPLES_SHOWN] if show else ():
             log(f"  {show}: {problem.question!r} (answer {problem.answer}) → {response.strip()[:200]!r}")
@@ -342,7 +380,8 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
 
     base_key = jax.random.key(run.train.seed)
     start = resume_step or 0  # loop steps; state.step counts applied updates (a refused step applies none)
-    progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL")
+    progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL",
+                                    **({} if primary else {"stream": io.StringIO(), "tty": False}))
     opened.append(progress)
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
@@ -350,19 +389,22 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     refusals = 0
     for step in range(start, run.train.steps):
         t0 = time.perf_counter()
-        problems = next(data_iter)
+        problems = next(data_iter)  # this process's prompts (all of them in a single-process run)
         prompts, mask = encode_prompts(problems, tokenizer, fmt, prompt_len)
+        prompts, mask = mine.global_prompts(np.asarray(prompts)), mine.global_prompts(np.asarray(mask))
         rollout = engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
-        texts = decode_responses(np.asarray(rollout.tokens), np.asarray(rollout.response_mask), tokenizer,
+        rollout = jax.device_put(rollout, batch_shardings(rollout, mesh))  # rows over the batch axes
+        # Rewards are computed where the responses are: each process decodes and scores its own rows.
+        texts = decode_responses(local_rows(rollout.tokens), local_rows(rollout.response_mask), tokenizer,
                                  prompt_len)
-        rewards, reward_stats = score_responses([fmt.scoring_text(t) for t in texts],
-                                                [p for p in problems for _ in range(n)], config=reward_cfg,
-                                                reward_fn=reward_fn)
-        lengths = {"lengths": jnp.asarray(rollout.lengths)} if run.algorithm.whiten == "token" else {}
-        advantages, est_state = estimator.update(jnp.asarray(rewards), est_state, **lengths)
-        advantages = np.asarray(advantages)
+        local_rewards, reward_stats = score_responses([fmt.scoring_text(t) for t in texts],
+                                                      mine.row_problems(problems), config=reward_cfg,
+                                                      reward_fn=reward_fn)
+        rewards = global_rows(np.asarray(local_rewards, np.float32), rollout.lengths.sharding, (n_rows,))
+        lengths = {"lengths": rollout.lengths} if run.algorithm.whiten == "token" else {}
+        advantages, est_state = estimator.update(rewards, est_state, **lengths)
         if run.algorithm.dynamic_sampling:
-            advantages = advantages * np.asarray(dynamic_sampling_mask(jnp.asarray(rewards), n))
+            advantages = advantages * dynamic_sampling_mask(rewards, n)
         t_rollout = time.perf_counter() - t0
         batch = _rl_batch(rollout, advantages)
         if ref_logprobs is not None:
@@ -376,11 +418,14 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         report = sync.push(updates, state.params)
         out = {k: float(v) for k, v in jax.device_get(out).items()}
         out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
-        out.update(reward_mean=float(rewards.mean()),
-                   accuracy=float(np.mean(rewards >= reward_cfg.correct)),
-                   response_length=float(np.asarray(rollout.lengths).mean()),
-                   truncated=float(1.0 - np.asarray(rollout.finished).mean()),
-                   reward_failures=float(reward_stats.num_failed + reward_stats.num_timed_out),
+        local_rewards = np.asarray(local_rewards, np.float64)
+        sums = _sum_over_processes(np.array([
+            local_rewards.sum(), (local_rewards >= reward_cfg.correct).sum(),
+            local_rows(rollout.lengths).sum(), local_rows(rollout.finished).sum(),
+            reward_stats.num_failed + reward_stats.num_timed_out], np.float64))
+        out.update(reward_mean=float(sums[0] / n_rows), accuracy=float(sums[1] / n_rows),
+                   response_length=float(sums[2] / n_rows), truncated=float(1.0 - sums[3] / n_rows),
+                   reward_failures=float(sums[4]),
                    rollout_time=t_rollout, step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
         if out.get("kl_refused"):
             refusals += 1
@@ -401,13 +446,14 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         # Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice;
         # the final step and a stop request (SIGTERM / SIGINT) always save when checkpoints are on.
         last = step + 1 == run.train.steps
-        must = stop.signum is not None or (last and run.train.checkpoint_every > 0)
+        signum = _agreed_signal(stop.signum)  # every process stops at the same step, or none does
+        must = signum is not None or (last and run.train.checkpoint_every > 0)
         ckpt.save(step + 1, (state, est_state), data_state=data_iter.get_state(),
                   extra={"accuracy_before": accuracy_before}, force=must and not ckpt.should_save(step + 1))
         ckpt.check_for_errors()  # a failed background save stops the run here, naming the directory
-        if stop.signum is not None and not last:
+        if signum is not None and not last:
             ckpt.wait_until_finished()
-            raise RunPreempted(stop.signum, step + 1)
+            raise RunPreempted(signum, step + 1)
     accuracy_after = evaluate(show="after RL")
     steps_done = run.train.steps
     writer.write(steps_done, {"eval_accuracy": accuracy_after})
@@ -416,15 +462,74 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     opened.clear()
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
                "seconds": time.perf_counter() - wall_start, "prompt_length": prompt_len}
-    write_json_atomic(workdir / "summary.json", summary)
-    metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy", "eval_accuracy"],
-                            workdir / "reward_curve.png",
-                            title=f"RL with {run.optimizer.name}: held-out accuracy {accuracy_before:.2f} → "
-                                  f"{accuracy_after:.2f}")
+    if primary:
+        write_json_atomic(workdir / "summary.json", summary)
+        metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy", "eval_accuracy"],
+                                workdir / "reward_curve.png",
+                                title=f"RL with {run.optimizer.name}: held-out accuracy {accuracy_before:.2f} → "
+                                      f"{accuracy_after:.2f}")
+    multihost.barrier("summary written")  # a finished run is finished for every process
     log(f"held-out accuracy after RL: {accuracy_after:.3f} (before: {accuracy_before:.3f}); "
         f"{summary['seconds']:.0f} s")
     log(f"stopped: finished {steps_done} steps")
     return summary
+
+
+class _ProcessRows:
+    """Which rows of every global batch this process holds: its prompts (read by its own data iterator), and the
+    rollout rows sampled from them (num_samples per prompt, adjacent). All rows in a single-process run.
+
+    Raises:
+      ValueError: a mesh whose device order gives a process a non-contiguous block of rows, or rollout rows
+        whose prompts another process holds.
+    """
+
+    def __init__(self, run: RunConfig, mesh: jax.sharding.Mesh, prompt_len: int):
+        self.batch = run.rollout.prompts_per_step
+        self.n = run.rollout.num_samples
+        self.prompt_shape = (self.batch, prompt_len)
+        self.prompt_sh = batch_shardings(jax.ShapeDtypeStruct(self.prompt_shape, jnp.int32), mesh)
+        self.prompts = process_rows(self.prompt_sh, self.prompt_shape)
+        rollout_sh = batch_shardings(jax.ShapeDtypeStruct((self.batch * self.n,), jnp.int32), mesh)
+        self.rollout = process_rows(rollout_sh, (self.batch * self.n,))
+        start, stop = self.prompts
+        size = stop - start
+        if self.batch % size or start % size:
+            raise ValueError(f"config.rollout.prompts_per_step = {self.batch}: process {jax.process_index()} "
+                             f"holds prompt rows [{start}, {stop}), not an equal part of the batch")
+        first, last = self.rollout[0] // self.n, (self.rollout[1] - 1) // self.n
+        if first < start or last >= stop:
+            raise ValueError(f"process {jax.process_index()} holds rollout rows [{self.rollout[0]}, "
+                             f"{self.rollout[1]}) but only the prompts [{start}, {stop}) they come from; make "
+                             f"config.rollout.prompts_per_step = {self.batch} a multiple of the mesh's "
+                             "data × fsdp devices")
+        self.part = (start // size, self.batch // size)
+
+    def global_prompts(self, local: np.ndarray) -> jax.Array:
+        """The [prompts_per_step, P] global array of which `local` are this process's rows."""
+        return global_rows(local, self.prompt_sh, self.prompt_shape)
+
+    def row_problems(self, problems: list[Any]) -> list[Any]:
+        """The problem of each rollout row this process holds (`problems`: its prompts' problems)."""
+        return [problems[row // self.n - self.prompts[0]] for row in range(*self.rollout)]
+
+
+def _sum_over_processes(values: np.ndarray) -> np.ndarray:
+    """Per-process float64 partial sums added over the processes of the run, exactly (bits travel as uint32)."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+    words = np.asarray(multihost_utils.process_allgather(values.astype(np.float64).view(np.uint32)))
+    return np.ascontiguousarray(words).view(np.float64).sum(axis=0)
+
+
+def _agreed_signal(signum: int | None) -> int | None:
+    """The stop request of any process of the run (SIGTERM to one of them stops all at the same step)."""
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+    agreed = int(np.max(multihost_utils.process_allgather(np.int32(signum or 0))))
+    return agreed or None
 
 
 def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, workdir: Path,

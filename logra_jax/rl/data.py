@@ -210,8 +210,13 @@ def problem_dataset(source: Sequence[Any], *, seed: int, shuffle: bool = True, n
 
 def problem_batches(source: Sequence[Any], batch_size: int, *, seed: int, shuffle: bool = True,
                     num_epochs: int | None = None, shard_index: int = 0, shard_count: int = 1,
-                    drop_remainder: bool = True, prefetch: int = 4) -> grain.IterDataset:
+                    drop_remainder: bool = True, prefetch: int = 4, part: tuple[int, int] = (0, 1)
+                    ) -> grain.IterDataset:
     """An IterDataset of lists of `batch_size` Problems; its iterator checkpoints with get_state/set_state.
+
+    `part` = (i, k): this process's i-th of k equal parts of every batch — rows [i·b/k, (i+1)·b/k) of each
+    batch of the single-process order — and nothing else is read (a multi-process run, each process reading
+    only its own prompts while the global batches stay those of a single-process run).
 
     `prefetch` batches are read ahead by one thread (prompt records are small; grain's default of 16 threads and
     500 elements would decode far ahead of a sampler that needs one batch per step).
@@ -230,5 +235,11 @@ def problem_batches(source: Sequence[Any], batch_size: int, *, seed: int, shuffl
                          shard_count=shard_count)
     if prefetch < 0:
         raise ValueError(f"problem_batches: prefetch must be >= 0, got {prefetch}")
-    batches = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
+    index, count = part
+    if not 0 <= index < count or batch_size % count:
+        raise ValueError(f"problem_batches: part {part} must be (i, k) with 0 <= i < k and k dividing "
+                         f"batch_size={batch_size}")
+    batches = ds.batch(batch_size // count, drop_remainder=drop_remainder, batch_fn=list)
+    if count > 1:
+        batches = batches[index::count]
     return batches.to_iter_dataset(grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch))

@@ -233,6 +233,8 @@ class Sampler:
             empty = np.flatnonzero(~np.asarray(prompt_mask).astype(bool).any(axis=1))
         except jax.errors.TracerArrayConversionError:  # called under a transformation: nothing to inspect
             empty = np.zeros(0, int)
+        except RuntimeError:  # a global array spanning processes: its rows were checked where they were made
+            empty = np.zeros(0, int)
         if empty.size:
             raise ValueError(f"Sampler: prompt_mask rows {empty.tolist()} have no real token")
         return generate(self.graphdef, self.state if state is None else state, prompts, prompt_mask, key,

@@ -65,10 +65,21 @@ class RolloutWeights:
       'loaded'
     """
 
-    def __init__(self, abstract_params: Any):
-        """abstract_params: the parameter tree with ShapeDtypeStruct (or array) leaves: structure, shapes, dtypes."""
+    def __init__(self, abstract_params: Any, shardings: Mapping[str, jax.sharding.Sharding] | None = None):
+        """abstract_params: the parameter tree with ShapeDtypeStruct (or array) leaves: structure, shapes, dtypes.
+        shardings: {path: sharding} of every leaf (the trainer's, for a colocated engine on the trainer's mesh):
+        the weights are kept, and every update applied, in these shardings; None: one device."""
         self._abstract = abstract_params
         self._shapes = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_params(abstract_params).items()}
+        self._apply = _apply
+        self._place = lambda a, p: jnp.asarray(a)
+        if shardings is not None:
+            missing = sorted(set(self._shapes) - set(shardings))
+            if missing:
+                raise ValueError(f"RolloutWeights: no sharding for parameters {missing[:4]}")
+            tree = jax.tree_util.tree_map_with_path(lambda k, _: shardings[path_str(k)], abstract_params)
+            self._apply = jax.jit(apply_updates, donate_argnums=0, out_shardings=tree)
+            self._place = lambda a, p: a if isinstance(a, jax.Array) else jax.device_put(a, shardings[p])
         self.params: Any = None
         self.version: int | None = None
         self.counts = {"applied": 0, "loaded": 0, "stale": 0, "resync": 0}
@@ -94,7 +105,7 @@ class RolloutWeights:
         self._lap("check")
         if payload.kind == "snapshot":
             self.params = jax.block_until_ready(jax.tree_util.tree_map_with_path(
-                lambda k, _: jnp.asarray(payload.weights[path_str(k)]), self._abstract))
+                lambda k, _: self._place(payload.weights[path_str(k)], path_str(k)), self._abstract))
             return self._commit(payload, "loaded")
         if self.version is None:
             return self._reply("resync", f"delta {payload.version} received before any snapshot")
@@ -103,7 +114,7 @@ class RolloutWeights:
         if payload.parent != self.version:
             return self._reply("resync", f"version gap: holding {self.version}, delta {payload.version} applies to "
                                          f"{payload.parent}")
-        self.params = jax.block_until_ready(_apply(self.params, updates))
+        self.params = jax.block_until_ready(self._apply(self.params, updates))
         return self._commit(payload, "applied")
 
     @staticmethod
@@ -153,9 +164,12 @@ class RolloutWorker:
       True
     """
 
-    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig):
+    on_device = False  # payloads arrive as bytes or host copies
+
+    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig,
+                 shardings: Mapping[str, jax.sharding.Sharding] | None = None):
         self.sampler = Sampler(abstract_model(model_config), sampling)
-        self.weights = RolloutWeights(self.sampler.state)
+        self.weights = RolloutWeights(self.sampler.state, shardings)
 
     def sync(self, payload: SyncPayload | bytes) -> SyncReply:
         return self.weights.receive(payload)
@@ -185,7 +199,13 @@ class RolloutWorker:
 
 
 class InProcessTransport(RolloutWorker):
-    """Colocated engine: the RolloutWorker in the trainer's process, with its own float32 copy of the weights."""
+    """Colocated engine: the RolloutWorker in the trainer's process, with its own float32 copy of the weights.
+
+    Payloads are handed over as device arrays (`SyncPayload.on_device`); with `shardings` (the trainer's) the
+    copy lives on the trainer's mesh, each process of a multi-process run holding and updating its own shards,
+    and `generate` takes and returns global arrays."""
+
+    on_device = True
 
 
 def _send(sock: socket.socket, op: bytes, body: bytes | memoryview = b"") -> None:
@@ -246,6 +266,8 @@ class WorkerProcessTransport:
       ...     sync = PolicySync(engine.sync, params)          # bootstrap snapshot, then sync.push(...) per update
       ...     rollout = engine.generate(prompts, prompt_mask, jax.random.key(0))
     """
+
+    on_device = False  # payloads travel as bytes
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, *, platform: str | None = None,
                  env: Mapping[str, str] | None = None, start_timeout_s: float = 120.0,
@@ -386,9 +408,10 @@ def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingCo
       'InProcessTransport'
     """
     if workers == 0:
-        if options:
-            raise ValueError(f"rollout_engine: options {sorted(options)} only apply to workers=1")
-        return InProcessTransport(model_config, sampling)
+        if set(options) - {"shardings"}:
+            raise ValueError(f"rollout_engine: options {sorted(set(options) - {'shardings'})} only apply to "
+                             "workers=1")
+        return InProcessTransport(model_config, sampling, **options)
     if workers == 1:
         return WorkerProcessTransport(model_config, sampling, **options)
     raise ValueError(f"rollout_engine: workers must be 0 (colocated) or 1 (worker process), got {workers!r}")

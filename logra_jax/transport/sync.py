@@ -215,7 +215,10 @@ class SyncPayload:
       dense: delta: {path: additive update} of trained non-targets (empty when they are frozen).
       weights: snapshot: {path: value} of every parameter.
       fingerprint: {path: (word, word)} of the trainer's weights at `version` (see `weight_fingerprint`).
-      checksum: BLAKE2b-256 hex digest of everything above, as `payload_checksum` computes it.
+      checksum: BLAKE2b-256 hex digest of everything above, as `payload_checksum` computes it ("" on device).
+      on_device: the arrays are the trainer's device arrays (global arrays in a multi-process run), handed to a
+        colocated engine in the same process: never framed, so no checksum; each process's engine applies
+        the factors to its own shards.
     """
 
     kind: Literal["delta", "snapshot"]
@@ -226,6 +229,7 @@ class SyncPayload:
     weights: Mapping[str, np.ndarray]
     fingerprint: Mapping[str, tuple[int, int]]
     checksum: str
+    on_device: bool = False
 
     def parts(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(meta without the checksum, named arrays): the canonical content that is hashed and framed."""
@@ -245,6 +249,8 @@ class SyncPayload:
         return len(_header({**meta, "checksum": self.checksum}, arrays)) + sum(a.nbytes for a in arrays.values())
 
     def to_bytes(self) -> bytes:
+        if self.on_device:
+            raise PayloadError("a device payload is handed over in process, not framed (build it with host=True)")
         meta, arrays = self.parts()
         return pack({**meta, "checksum": self.checksum}, arrays)
 
@@ -272,7 +278,9 @@ class SyncPayload:
             raise PayloadError(f"malformed payload header: {err!r}") from err
 
     def verify(self) -> None:
-        """Raise PayloadError unless `checksum` matches the content."""
+        """Raise PayloadError unless `checksum` matches the content (a device payload crossed no wire)."""
+        if self.on_device:
+            return
         got = payload_checksum(*self.parts())
         if got != self.checksum:
             raise PayloadError(f"checksum mismatch for {self.kind} version {self.version}: payload says "
@@ -300,7 +308,8 @@ def _wire_factors(updates: list[LowRankUpdate]) -> list[tuple[jax.Array, jax.Arr
              u.decay) for u in updates]
 
 
-def delta_payload(updates: Any, params: Any, version: int, *, trained: Collection[str] = ()) -> SyncPayload:
+def delta_payload(updates: Any, params: Any, version: int, *, trained: Collection[str] = (),
+                  host: bool = True) -> SyncPayload:
     """The delta of one update: factors of the LowRankUpdate leaves of `updates`, dense updates of `trained`.
 
     Args:
@@ -309,9 +318,10 @@ def delta_payload(updates: Any, params: Any, version: int, *, trained: Collectio
       params: the trainer's parameters after the update (fingerprinted).
       version: trainer updates completed after this one (≥ 1).
       trained: paths of non-target parameters trained densely; other plain leaves are frozen and not sent.
+      host: copy the factors to host and seal them (for a wire); False keeps the device arrays (`on_device`).
 
     Returns:
-      A sealed delta with parent = version − 1.
+      A delta with parent = version − 1 (sealed when `host`).
 
     Raises:
       ValueError: version < 1, a `trained` path missing from `updates` or holding a low-rank update.
@@ -325,26 +335,36 @@ def delta_payload(updates: Any, params: Any, version: int, *, trained: Collectio
     for p in trained:
         if p not in flat or is_lowrank(flat[p]) or flat[p] is None or isinstance(flat[p], optax.MaskedNode):
             raise ValueError(f"delta_payload: trained path {p!r} has no dense update in `updates`")
-    wire, dense = jax.device_get((_wire_factors(list(lowrank.values())), {p: flat[p] for p in trained}))
+    wire, dense = _wire_factors(list(lowrank.values())), {p: flat[p] for p in trained}
+    keep = (lambda a: np.asarray(a)) if host else (lambda a: a)
+    if host:
+        wire, dense = jax.device_get((wire, dense))
     factors = {}
     for (p, u), (factor, step, decay) in zip(lowrank.items(), wire):
         m, t = u.meta, u.meta.target
-        factors[p] = TargetFactor(factor=np.asarray(factor), decay=None if decay is None else np.asarray(decay),
+        factors[p] = TargetFactor(factor=keep(factor), decay=None if decay is None else keep(decay),
                                   step=int(step), base_seed=m.base_seed, rank=m.rank, distribution=m.distribution,
                                   refresh=m.refresh, round_bf16=m.round_bf16, shape=t.shape, rows=t.dims.rows,
                                   width=t.dims.width, implementation=m.implementation, interpret=m.interpret)
-    return _sealed(kind="delta", version=version, parent=version - 1, factors=factors,
-                   dense={p: np.asarray(a) for p, a in dense.items()}, weights={},
-                   fingerprint=weight_fingerprint(params))
+    fields = dict(kind="delta", version=version, parent=version - 1, factors=factors,
+                  dense={p: keep(a) for p, a in dense.items()}, weights={}, fingerprint=weight_fingerprint(params))
+    return _sealed(**fields) if host else SyncPayload(checksum="", on_device=True, **fields)
 
 
-def snapshot_payload(params: Any, version: int) -> SyncPayload:
-    """A full snapshot of `params` (every leaf, its own dtype) at `version`, sealed."""
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+def snapshot_payload(params: Any, version: int, *, host: bool = True) -> SyncPayload:
+    """A full snapshot of `params` (every leaf, its own dtype) at `version`: sealed host copies, or (host=False)
+    device copies in the same shardings, each process copying only its own shards."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"snapshot_payload: version must be an int >= 0, got {version!r}")
+    fields = dict(kind="snapshot", version=version, parent=None, factors={}, dense={},
+                  fingerprint=weight_fingerprint(params))
+    if not host:
+        return SyncPayload(weights=_copy(flat_params(params)), checksum="", on_device=True, **fields)
     weights = {p: np.asarray(a) for p, a in jax.device_get(flat_params(params)).items()}
-    return _sealed(kind="snapshot", version=version, parent=None, factors={}, dense={}, weights=weights,
-                   fingerprint=weight_fingerprint(params))
+    return _sealed(weights=weights, **fields)
 
 
 class SyncReply(NamedTuple):
@@ -389,19 +409,21 @@ class PolicySync:
     """
 
     def __init__(self, receive: Callable[[SyncPayload | bytes], SyncReply], params: Any, *, version: int = 0,
-                 trained: Collection[str] = ()):
+                 trained: Collection[str] = (), on_device: bool = False):
         """receive: the engine's `sync` (a transport's, or `RolloutWeights.receive`); params: the trainer's weights
-        at `version`; trained: non-target paths trained densely (their updates are sent)."""
+        at `version`; trained: non-target paths trained densely (their updates are sent); on_device: hand the
+        device arrays over (a colocated engine, `SyncPayload.on_device`) instead of host copies."""
         self._receive = receive
         self.version = version
         self.trained = tuple(trained)
+        self.on_device = on_device
         self.resyncs = 0
-        self.bootstrap = self.send(snapshot_payload(params, version), params)
+        self.bootstrap = self.send(snapshot_payload(params, version, host=not on_device), params)
 
     def push(self, updates: Any, params: Any) -> SyncReport:
         """Publish the update that took the trainer from `self.version` to `self.version + 1` (params after it)."""
         start = time.perf_counter()
-        payload = delta_payload(updates, params, self.version + 1, trained=self.trained)
+        payload = delta_payload(updates, params, self.version + 1, trained=self.trained, host=not self.on_device)
         self.version += 1
         return self.send(payload, params, start)
 
@@ -421,7 +443,7 @@ class PolicySync:
         if reply.status == "resync":
             reason = reply.reason
             self.resyncs += 1
-            snapshot = snapshot_payload(params, self.version)
+            snapshot = snapshot_payload(params, self.version, host=not self.on_device)
             nbytes += snapshot.nbytes
             reply = self._receive(snapshot)
             if reply.status != "loaded":

@@ -329,3 +329,20 @@ def test_numpy_and_python_leaves_are_stored_as_jax_arrays(tmp_path):
             restored, _, _ = ckpt.restore(abstract=abstract)
             assert {k: (v.dtype, v.tolist()) for k, v in restored.items()} == {
                 "n": (jnp.int32, 3), "x": (jnp.float32, 0.5), "a": (jnp.int16, [0, 1, 2, 3])}
+
+
+def test_data_states_of_a_multi_process_run_go_to_their_process(monkeypatch):
+    """A multi-process checkpoint holds one data-iterator state per process; each process restores its own,
+    and a run with another number of processes is told how many wrote it."""
+    from logra_jax import checkpoint
+
+    saved = {checkpoint.PER_PROCESS: [{"next_index": 4}, {"next_index": 9}]}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert checkpoint._own_data_state(saved, "checkpoint X") == {"next_index": 9}
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint X holds the data-iterator state of 1 process"):
+        checkpoint._own_data_state({"next_index": 4}, "checkpoint X")
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert checkpoint._gather_data_states({"next_index": 4}) == {"next_index": 4}  # single process: unchanged
+    with pytest.raises(checkpoint.CheckpointError, match="holds the data-iterator state of 2 process"):
+        checkpoint._own_data_state(saved, "checkpoint X")

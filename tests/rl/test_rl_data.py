@@ -103,3 +103,24 @@ def test_iterator_state_resumes_on_the_exact_next_batch(generated, tmp_path, pre
     assert all(len(batch) == 5 for batch in got)
     fresh = [next(iter(problem_batches(train, 5, seed=9)))]
     assert fresh[0] != expected[0]
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_process_parts_are_the_rows_of_the_single_process_batches(generated, count):
+    """Process i of k reads rows [i·b/k, (i+1)·b/k) of every batch of the single-process order, across epochs;
+    its own iterator state resumes it."""
+    train, _ = generated
+    full = iter(problem_batches(train, 8, seed=3))
+    parts = [iter(problem_batches(train, 8, seed=3, part=(i, count))) for i in range(count)]
+    for _ in range(2 * len(train) // 8 + 1):  # past an epoch boundary (reshuffled)
+        assert next(full) == [p for it in parts for p in next(it)]
+    state = parts[-1].get_state()
+    expected = next(parts[-1])
+    parts[-1].set_state(state)
+    assert next(parts[-1]) == expected
+
+
+@pytest.mark.parametrize("part", [(2, 2), (0, 3), (-1, 2)])
+def test_a_bad_process_part_names_itself(generated, part):
+    with pytest.raises(ValueError, match=r"problem_batches: part"):
+        problem_batches(generated[0], 8, seed=0, part=part)

@@ -1,23 +1,20 @@
-"""Two local processes (jax.distributed over 127.0.0.1, gloo) run one sharded train step on a global 8-device
-mesh and match the single-process step; a missing peer is a clear error within the timeout, not a hang or abort."""
+"""Process identity and the rendezvous: a missing peer is a clear error within the timeout, not a hang or abort;
+identities come from flags, the environment or cluster detection (the main job across processes:
+test_multihost_main.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
+from logra_jax import multihost
 from logra_jax.multihost import DistributedConfig, DistributedInitError, rendezvous
-from logra_jax.sharding import FAST_CPU_COMPILE
 
-WORKER = Path(__file__).with_name("multihost_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -27,11 +24,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(process_id: int, num_processes: int, port: int, out: Path, timeout_s: int) -> subprocess.Popen:
+def _spawn(process_id: int, num_processes: int, port: int, workdir: Path, timeout_s: int) -> subprocess.Popen:
+    """The main job as one process of a run, its identity given by flags."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.Popen([sys.executable, str(WORKER), str(process_id), str(num_processes), str(port), str(out),
-                             str(timeout_s)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    env["LOGRA_DISTRIBUTED_TIMEOUT_S"] = str(timeout_s)
+    return subprocess.Popen([sys.executable, "-m", "logra_jax.main", "--config=configs/demo.py:runlocal",
+                             f"--workdir={workdir}", f"--coordinator_address=127.0.0.1:{port}",
+                             f"--num_processes={num_processes}", f"--process_id={process_id}"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
@@ -44,36 +44,10 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("multihost_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_two_processes_match_single_process(tmp_path):
-    port, out = _free_port(), tmp_path / "result.npz"
-    procs = [_spawn(pid, 2, port, out, 60) for pid in (0, 1)]
-    results = [_finish(p, 180) for p in procs]
-    for rc, log in results:
-        assert rc == 0, log[-3000:]
-    got = np.load(out)
-    assert int(got["devices"]) == 8 and int(got["processes"]) == 2
-
-    worker = _load_worker()
-    init_fn, step_fn, batch = worker.make_problem()
-    with jax.default_device(jax.devices()[0]):
-        state, rest = jax.jit(init_fn, compiler_options=FAST_CPU_COMPILE)()
-        state, metrics = jax.jit(step_fn, compiler_options=FAST_CPU_COMPILE)(state, rest, batch)
-    np.testing.assert_allclose(got["loss"], metrics["loss"], rtol=1e-5)
-    for i, ref in enumerate(jax.tree.leaves(state.params)):
-        np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-5, atol=1e-6)
-
-
 def test_missing_peer_is_a_clear_error(tmp_path):
     # Process 0 of 2 alone, and process 1 of 2 with no coordinator: both must fail fast and say why.
-    alone = _spawn(0, 2, _free_port(), tmp_path / "a.npz", 3)
-    orphan = _spawn(1, 2, _free_port(), tmp_path / "b.npz", 3)
+    alone = _spawn(0, 2, _free_port(), tmp_path / "a", 3)
+    orphan = _spawn(1, 2, _free_port(), tmp_path / "b", 3)
     (rc0, log0), (rc1, log1) = _finish(alone, 90), _finish(orphan, 90)
     assert rc0 == 1 and "DistributedInitError" in log0 and "process(es) [1] of 2 did not reach" in log0, log0
     assert rc1 == 1 and "DistributedInitError" in log1 and "no coordinator (process 0)" in log1, log1
@@ -108,3 +82,34 @@ def test_config_from_env():
                                          "LOGRA_DISTRIBUTED_TIMEOUT_S": "30"})
     assert config == DistributedConfig("node0:8476", 4, 3, (0, 1), 30)
     assert (config.host, config.port) == ("node0", 8476)
+
+
+def test_identity_from_flags_then_environment_then_cluster_detection():
+    env = {"JAX_COORDINATOR_ADDRESS": "node0:8476", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    # flags win over the environment
+    assert multihost.resolve("10.0.0.1:1234", 2, 1, env=env) == DistributedConfig("10.0.0.1:1234", 2, 1)
+    assert multihost.resolve(env=env) == DistributedConfig("node0:8476", 4, 3)
+    with pytest.raises(ValueError, match="missing: --num_processes, --process_id"):
+        multihost.resolve("10.0.0.1:1234", env=env)
+    # nothing set and no cluster environment here: a single-process run
+    assert multihost.resolve(env={}) is None and multihost.detect_cluster() is None
+
+
+def test_slurm_environment_is_detected(monkeypatch):
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[3-4]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0"}
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    config = multihost.detect_cluster(timeout_s=30)
+    assert config is not None and (config.num_processes, config.process_id) == (2, 1)
+    assert config.host == "node3" and config.timeout_s == 30
+
+
+def test_single_process_helpers_need_no_runtime():
+    assert multihost.is_primary()
+    multihost.barrier("nothing to wait for")
+    with multihost.primary_first("alone"):
+        pass
+    multihost.announce_failure("no peers to tell")  # no-ops without jax.distributed
+    multihost.watch_failures(lambda text: None)
+    multihost.stop_watching()

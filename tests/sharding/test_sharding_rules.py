@@ -196,3 +196,24 @@ def test_init_sharded_creates_state_in_its_shardings(mesh_f4t2):
     assert state["w"][...].sharding == NamedSharding(mesh_f4t2, P(None, "fsdp", "tensor")) == shardings["w"].get_value()
     assert state["b"][...].sharding.spec == P("tensor")
     np.testing.assert_array_equal(np.asarray(state["w"][...]), np.arange(256, dtype=np.float32).reshape(2, 16, 8))
+
+
+def test_process_rows_of_a_single_process_are_all_rows_and_round_trip():
+    mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=4), jax.devices()[:8])
+    x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    sharding = shd.batch_shardings(jax.ShapeDtypeStruct(x.shape, x.dtype), mesh)
+    assert shd.process_rows(sharding, x.shape) == (0, 16)
+    g = shd.global_rows(x, sharding, x.shape)
+    assert g.sharding == sharding
+    np.testing.assert_array_equal(shd.local_rows(g), x)
+    placed = shd.to_global({"a": x, "b": x[0]}, {"a": sharding, "b": shd.replicated(mesh)})
+    np.testing.assert_array_equal(placed["a"], x)
+
+
+def test_process_rows_rejects_interleaved_rows():
+    class Interleaved:  # what a mesh ordered across processes would give one process: rows 0-3 and 8-11
+        def addressable_devices_indices_map(self, shape):
+            return {0: (slice(0, 4), slice(None)), 1: (slice(8, 12), slice(None))}
+
+    with pytest.raises(ValueError, match="one contiguous block per process"):
+        shd.process_rows(Interleaved(), (16, 3))

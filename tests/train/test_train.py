@@ -48,8 +48,8 @@ def test_three_steps_end_to_end(tmp_path, optimizer, tiny_config, read_metrics):
 def test_sharded_run_with_reference_kl(tmp_path, tiny_config, read_metrics):
     """A data=2 × fsdp=2 mesh with a reference-KL penalty: runs, stays finite, the engine stays in sync."""
     config = tiny_config(train={"steps": 2, "microbatches": 1, "mesh_data": 2, "mesh_fsdp": 2},
-                         algorithm={"kl_beta": 0.05}, rollout={"prompts_per_step": 4, "num_samples": 2})
-    train_and_evaluate(config, tmp_path)
+                         algorithm={"kl_beta": 0.05}, rollout={"prompts_per_step": 4, "num_samples": 4})
+    train_and_evaluate(config, tmp_path, reward_fn=_digit_fraction)  # rewards that differ: the first step learns
     steps = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert len(steps) == 2 and all(r["sync_resyncs"] == 0 for r in steps)
     assert all(math.isfinite(v) for r in steps for v in r.values())
