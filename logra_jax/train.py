@@ -12,6 +12,13 @@
 4. Final held-out accuracy and a reward-curve PNG under workdir.
 Every random choice derives from train.seed and the step number, so an interrupted run resumed from its last
 checkpoint reproduces the uninterrupted run bit for bit.
+
+Several processes (logra_jax.multihost, started by logra_jax.main) run the same loop on one global mesh: each
+reads only its own part of every prompt batch, the prompts, rollouts, rewards and train batch are global arrays
+whose rows each process holds (`_ProcessRows`), each process decodes and scores its own rows, the colocated
+rollout engine updates each process's own weight shards, checkpoints carry every process's data-iterator state,
+and process 0 alone writes the log, metrics, plots and summary. The loop is the same code in one process (where
+"its own rows" are all rows).
 """
 
 from __future__ import annotations

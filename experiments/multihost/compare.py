@@ -34,9 +34,12 @@ def _harness():
 
 def _compare(h, a: Path, b: Path) -> dict:
     metrics_a, metrics_b = h._metrics(a), h._metrics(b)
-    differing = sorted({k for ra, rb in zip(metrics_a, metrics_b) for k in ra if ra[k] != rb.get(k)})
-    worst_metric = {k: max(abs(ra[k] - rb[k]) / max(abs(ra[k]), 1e-30) for ra, rb in zip(metrics_a, metrics_b)
-                           if k in ra and k in rb and ra[k] != rb[k]) for k in differing}
+    pairs = [(k, ra[k], rb[k]) for ra, rb in zip(metrics_a, metrics_b, strict=True) for k in ra if ra[k] != rb[k]]
+    worst_metric = {}
+    for k, a_value, b_value in pairs:  # {metric: [max |a − b|, max |a − b| / max(|a|, |b|)]}
+        diff = abs(a_value - b_value)
+        old = worst_metric.get(k, [0.0, 0.0])
+        worst_metric[k] = [max(old[0], diff), max(old[1], diff / max(abs(a_value), abs(b_value)))]
     leaves = {}
     for (path, x), (_, y) in zip(h._state(a), h._state(b), strict=True):
         if x.dtype.kind == "f":
@@ -65,7 +68,8 @@ def main() -> None:
         r = results[name]
         print(f"{name:>14} vs two: {r['bitwise_leaves']}/{r['float_leaves']} leaves bitwise, max relative "
               f"difference {r['max_relative']:.2e}; metrics differing: "
-              + (", ".join(f"{k} {v:.1e}" for k, v in r["metrics_differing"].items()) or "none"))
+              + (", ".join(f"{k} (abs {v[0]:.1e}, rel {v[1]:.1e})" for k, v in r["metrics_differing"].items())
+                 or "none"))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -75,8 +79,10 @@ def main() -> None:
         values = [max(results[name]["leaves"][n], 1e-12) for n in names]
         ax.bar(np.arange(len(names)) + 0.4 * k, values, width=0.4, label=f"{name} vs two processes")
     ax.set_yscale("log")
-    ax.set_xticks(np.arange(len(names)) + 0.2, [n.replace("['value']", "")[-40:] for n in names], rotation=80,
-                  fontsize=6)
+    labels = [("opt " if "opt_state" in n else "") + ".".join(part.strip("'") for part in n.replace("]", "").split("[")
+                                                     if part.strip("'") not in ("", "0", "value", "params"))[-48:]
+              for n in names]
+    ax.set_xticks(np.arange(len(names)) + 0.2, labels, rotation=80, fontsize=6)
     ax.set_ylabel("max |a − b| / max |a| (1e-12 = bitwise)")
     ax.set_title(f"Final state after {h.STEPS} RL steps: 1 × 8 devices vs 2 processes × 4")
     ax.legend()
