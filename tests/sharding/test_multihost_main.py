@@ -38,6 +38,8 @@ OVERRIDES = ("--config.train.mesh_data=2", "--config.train.mesh_fsdp=4", f"--con
 # Metrics that measure the machine, not the run.
 MACHINE = ("time", "rss", "bytes_in_use", "peak", "sync_bytes")
 TIMEOUT_S = 240
+# Every run of this module compiles with these (the comparisons are between runs that all do): CI time.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _CACHE = Path("/nonexistent")  # the module's compilation cache directory (set by the `runs` fixture)
 
 
@@ -54,7 +56,7 @@ def _command(workdir: Path, cache: Path, extra: tuple[str, ...] = ()) -> list[st
 
 def _env(devices: int, process: tuple[int, int, int] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}", JAX_PLATFORMS="cpu",
                # later runs load the executables the first ones compiled (the same programs): CI time
                JAX_COMPILATION_CACHE_DIR=str(_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
