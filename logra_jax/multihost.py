@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_TIMEOUT = "LOGRA_DISTRIBUTED_TIMEOUT_S"
+ENV_HEARTBEAT = "LOGRA_HEARTBEAT_TIMEOUT_S"
 
 _HELLO = b"logra-rendezvous"
 _GO = b"go\n"
@@ -48,6 +50,8 @@ class DistributedConfig:
       process_id: this process's index in [0, num_processes).
       local_device_ids: devices of this host that this process uses (None: all).
       timeout_s: seconds to wait for every peer (rendezvous and JAX's own initialization).
+      heartbeat_timeout_s: seconds without a heartbeat after which JAX's coordination service declares a process
+        dead (killed, out of memory, lost host) and stops every other process with that news.
 
     Example:
       >>> DistributedConfig("127.0.0.1:12345", num_processes=2, process_id=1).port
@@ -59,13 +63,14 @@ class DistributedConfig:
     process_id: int
     local_device_ids: tuple[int, ...] | None = None
     timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator_address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"DistributedConfig.coordinator_address must be 'host:port', got "
                              f"{self.coordinator_address!r}")
-        for name in ("num_processes", "timeout_s"):
+        for name in ("num_processes", "timeout_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DistributedConfig.{name} must be a positive integer, got {value!r}")
@@ -105,7 +110,7 @@ class DistributedConfig:
         ids = env.get("JAX_LOCAL_DEVICE_IDS")
         local = tuple(int(i) for i in ids.split(",")) if ids else None
         return cls(env[ENV_COORDINATOR], integer(ENV_NUM_PROCESSES), integer(ENV_PROCESS_ID), local,
-                   integer(ENV_TIMEOUT, 300))
+                   integer(ENV_TIMEOUT, 300), integer(ENV_HEARTBEAT, 100))
 
 
 def _recv_line(conn: socket.socket, deadline: float) -> bytes:
@@ -225,9 +230,12 @@ def initialize(config: DistributedConfig | None = None) -> bool:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     rendezvous(config)
     local: Sequence[int] | None = list(config.local_device_ids) if config.local_device_ids is not None else None
+    options = {}
+    if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
+        options["heartbeat_timeout_seconds"] = config.heartbeat_timeout_s
     jax.distributed.initialize(config.coordinator_address, num_processes=config.num_processes,
                                process_id=config.process_id, local_device_ids=local,
-                               initialization_timeout=config.timeout_s)
+                               initialization_timeout=config.timeout_s, **options)
     return True
 
 
@@ -265,7 +273,8 @@ def detect_cluster(timeout_s: int = 300) -> DistributedConfig | None:
     if address is None or n is None or pid is None or int(n) <= 1:
         return None
     local_ids = None if local is None else tuple(int(i) for i in ([local] if isinstance(local, int) else local))
-    return DistributedConfig(str(address), int(n), int(pid), local_ids, timeout_s)
+    heartbeat = int(os.environ.get(ENV_HEARTBEAT, 100))
+    return DistributedConfig(str(address), int(n), int(pid), local_ids, timeout_s, heartbeat)
 
 
 def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -283,8 +292,10 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
         if missing:
             raise ValueError(f"--coordinator_address, --num_processes and --process_id go together; missing: "
                              f"{', '.join('--' + m for m in missing)}")
-        timeout = int((os.environ if env is None else env).get(ENV_TIMEOUT, 300))
-        return DistributedConfig(coordinator_address, num_processes, process_id, timeout_s=timeout)
+        env = os.environ if env is None else env
+        return DistributedConfig(coordinator_address, num_processes, process_id,
+                                 timeout_s=int(env.get(ENV_TIMEOUT, 300)),
+                                 heartbeat_timeout_s=int(env.get(ENV_HEARTBEAT, 100)))
     config = DistributedConfig.from_env(env)
     if config is not None or not auto_detect:
         return config

@@ -89,6 +89,9 @@ def test_identity_from_flags_then_environment_then_cluster_detection():
     # flags win over the environment
     assert multihost.resolve("10.0.0.1:1234", 2, 1, env=env) == DistributedConfig("10.0.0.1:1234", 2, 1)
     assert multihost.resolve(env=env) == DistributedConfig("node0:8476", 4, 3)
+    assert multihost.resolve(env={**env, "LOGRA_HEARTBEAT_TIMEOUT_S": "20"}).heartbeat_timeout_s == 20
+    with pytest.raises(ValueError, match="heartbeat_timeout_s must be a positive integer"):
+        DistributedConfig("node0:8476", 4, 3, heartbeat_timeout_s=0)
     with pytest.raises(ValueError, match="missing: --num_processes, --process_id"):
         multihost.resolve("10.0.0.1:1234", env=env)
     # nothing set and no cluster environment here: a single-process run
