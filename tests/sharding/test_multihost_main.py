@@ -199,3 +199,22 @@ def test_one_process_failing_stops_the_other_naming_it(runs, tmp_path):
     assert "process 1: RuntimeError: reward server unreachable (injected)" in text[1], text[1][-2000:]
     assert "stopping process 0 because process 1: RuntimeError: reward server unreachable" in text[0], \
         text[0][-2000:]
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(runs, tmp_path):
+    """A scheduler preempting one host: the stop request is agreed on at the next step boundary, every process
+    writes its share of that step's checkpoint and exits 143 (128 + SIGTERM)."""
+    _, _, cache = runs
+    workdir = tmp_path / "preempted"
+    procs, logs = _two_processes(workdir, cache)
+    deadline = time.monotonic() + TIMEOUT_S
+    log_file = workdir / "log.txt"
+    while not (log_file.exists() and "held-out accuracy before RL" in log_file.read_text()):  # RL has started
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            "\n".join(log.read_text()[-3000:] for log in logs)
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    assert _wait(procs, logs) == [143, 143], "\n".join(log.read_text()[-3000:] for log in logs)
+    text = (workdir / "log.txt").read_text()
+    assert "stopped: preempted" in text and "run the same command again to resume" in text
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [1]
