@@ -23,9 +23,10 @@ from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
 from logra_jax.optim import logra
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, resolve_round_bf16, target_labels
 from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets, path_str
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets
 from logra_jax.run_config import OptimizerSection
 from logra_jax.train_step import KLProbeConfig, Trainable, densely_trained
+from logra_jax.tree_paths import path_str
 
 GALORE_UPDATE_GAP = 200
 

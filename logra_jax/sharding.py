@@ -35,6 +35,8 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from logra_jax.tree_paths import path_keys
+
 T = TypeVar("T")
 MeshAxes = str | tuple[str, ...] | None
 LogicalRules = Sequence[tuple[str, MeshAxes]]
@@ -274,13 +276,6 @@ def derive_spec(shape: Sequence[int], source_shape: Sequence[int], source_spec: 
     return PartitionSpec(*(_entry(g) for g in groups))
 
 
-def _path(keypath: Sequence[Any]) -> tuple[str, ...]:
-    """Path components (dict keys, attribute names, indices) without an nnx.Variable's trailing `.value`."""
-    if keypath and isinstance(keypath[-1], jax.tree_util.GetAttrKey) and keypath[-1].name == "value":
-        keypath = keypath[:-1]
-    return tuple(str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)) for k in keypath)
-
-
 def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, *,
                     derived: Mapping[str, str] | None = None, sources: Any = None) -> T:
     """NamedShardings for an nnx.State (or any tree of nnx.Variables) from each Variable's `axes` metadata.
@@ -315,11 +310,11 @@ def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT
             return PartitionSpec()
         return logical_to_spec(axes, rules, shape=shape, mesh=mesh)
 
-    by_path = {_path(p): v for tree in (sources, abstract_state) if tree is not None
+    by_path = {path_keys(p): v for tree in (sources, abstract_state) if tree is not None
                for p, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]}
 
     def sharding(keypath: Any, var: Any) -> Any:
-        path = _path(keypath)
+        path = path_keys(keypath)
         spec = own_spec(var)
         sibling = (*path[:-1], derived.get(path[-1], "")) if path else ()
         if path and path[-1] in derived and sibling in by_path:
@@ -362,11 +357,11 @@ def opt_state_shardings(abstract_opt_state: T, params_shardings: Any, abstract_p
     if not sh_leaves or len(sh_leaves) != len(shapes):
         raise ValueError(f"opt_state_shardings: params_shardings has {len(sh_leaves)} leaves, abstract_params "
                          f"{len(shapes)}")
-    index = {".".join(_path(p)): (tuple(x.shape), s) for (p, s), x in zip(sh_leaves, shapes)}
+    index = {".".join(path_keys(p)): (tuple(x.shape), s) for (p, s), x in zip(sh_leaves, shapes)}
     mesh = sh_leaves[0][1].mesh
 
     def sharding(keypath: Any, leaf: Any) -> NamedSharding:
-        path = _path(keypath)
+        path = path_keys(keypath)
         for start in range(len(path)):
             hit = index.get(".".join(path[start:]))
             if hit is not None and getattr(leaf, "ndim", 0) > 0:

@@ -28,8 +28,9 @@ from logra_jax.native.sketch_probes import SketchProbe, SketchSpec, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
 from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where
-from logra_jax.optim.targets import Target, path_str
+from logra_jax.optim.targets import Target
 from logra_jax.rl.losses import LOSS_DENOMINATOR
+from logra_jax.tree_paths import path_str
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mapping[str, jax.Array]]]
 Trainable = Callable[[tuple, Any], bool]

@@ -37,10 +37,11 @@ from flax import nnx
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model, init_model
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
-from logra_jax.optim.targets import find_targets, path_str
+from logra_jax.optim.targets import find_targets
 from logra_jax.rl.sampler import SamplingConfig
 from logra_jax.transport.rollout_worker import InProcessTransport, WorkerProcessTransport
 from logra_jax.transport.sync import PolicySync, SyncPayload, TargetFactor, flat_params, snapshot_payload
+from logra_jax.tree_paths import path_str
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b", "dense-27b")

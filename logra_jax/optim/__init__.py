@@ -39,10 +39,9 @@ from logra_jax.optim.targets import (
     check_rank_fits,
     find_targets,
     match_target,
-    path_keys,
-    path_str,
 )
 from logra_jax.optim.update_ratio import scale_by_update_ratio, update_ratio_factor
+from logra_jax.tree_paths import path_keys, path_str
 
 __all__ = [
     "DEFAULT_TARGET_RULES",

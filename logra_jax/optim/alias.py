@@ -51,8 +51,9 @@ from logra_jax.optim.predicted_kl import scale_by_predicted_kl
 from logra_jax.optim.projection import Distribution
 from logra_jax.optim.row_adam import Variant, scale_by_row_adam
 from logra_jax.optim.sketch import scale_by_sketch
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules, match_target, path_keys
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules, match_target
 from logra_jax.optim.update_ratio import scale_by_update_ratio
+from logra_jax.tree_paths import path_keys
 
 TARGET_LABEL = "logra"
 NON_TARGET_LABEL = "non_target"

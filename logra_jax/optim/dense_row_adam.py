@@ -25,8 +25,8 @@ from logra_jax.optim.targets import (
     TargetRule,
     check_rules,
     find_targets,
-    path_str,
 )
+from logra_jax.tree_paths import path_str
 
 
 class DenseRowAdamState(NamedTuple):

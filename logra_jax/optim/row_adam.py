@@ -35,11 +35,10 @@ from logra_jax.optim.targets import (
     TargetRule,
     check_rules,
     find_targets,
-    path_keys,
-    path_str,
     place_replicated,
     place_rows,
 )
+from logra_jax.tree_paths import path_keys, path_str
 
 Variant = Literal["paper", "nemo", "sgd"]
 VARIANTS: tuple[str, ...] = ("paper", "nemo", "sgd")

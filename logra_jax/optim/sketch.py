@@ -30,9 +30,9 @@ from logra_jax.optim.targets import (
     check_rules,
     find_targets,
     match_target,
-    path_keys,
     place_replicated,
 )
+from logra_jax.tree_paths import path_keys
 
 
 class SketchState(NamedTuple):

@@ -38,9 +38,9 @@ import numpy as np
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model
 from logra_jax.optim.lowrank import apply_updates
-from logra_jax.optim.targets import path_str
 from logra_jax.rl.sampler import Rollout, Sampler, SamplingConfig
 from logra_jax.transport.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack, weight_fingerprint
+from logra_jax.tree_paths import path_str
 
 _OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
 _OP_NAMES = {v: k for k, v in _OPS.items()}

@@ -41,7 +41,8 @@ import numpy as np
 import optax
 
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
-from logra_jax.optim.targets import MatrixDims, Target, path_str
+from logra_jax.optim.targets import MatrixDims, Target
+from logra_jax.tree_paths import path_str
 
 FORMAT = "logra-sync/1"
 _MAGIC = b"LGRASYNC"
