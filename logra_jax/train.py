@@ -421,6 +421,10 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
             rows = probe_rows(run.rollout.prompts_per_step, n, run.optimizer.probe_responses,
                               (run.train.seed, step))
             probe = _probe_batch(rollout, rows, step + 1)
+        # Into the step's own shardings (rows over the batch axes): the eager gathers and reductions above leave
+        # their results in shardings of XLA's choosing, and jit does not reshard a global array.
+        batch = jax.device_put(batch, batch_sh)
+        probe = None if probe is None else jax.device_put(probe, probe_sh)
         state, out, updates = step_fn(state, rest, batch, probe)
         report = sync.push(updates, state.params)
         out = {k: float(v) for k, v in jax.device_get(out).items()}

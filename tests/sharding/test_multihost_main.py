@@ -28,13 +28,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
-# The demo config, shortened: SFT from a shared cache, 3 RL steps of 8 prompts × 4 samples, a checkpoint per step;
-# the format bonus gives the still-weak policy rewards that differ within a group, so every step learns.
+# The demo config, shortened: SFT from a shared cache, 3 RL steps of 8 prompts × 4 samples with KL control, a
+# checkpoint per step; the format bonus gives the still-weak policy rewards that differ within a group, so every
+# step learns.
 OVERRIDES = ("--config.train.mesh_data=2", "--config.train.mesh_fsdp=4", f"--config.train.steps={STEPS}",
              "--config.train.checkpoint_every=1", f"--config.train.keep_checkpoints={STEPS}",
              "--config.task.eval_size=8", "--config.rollout.prompts_per_step=8", "--config.rollout.num_samples=4",
              "--config.algorithm.format_weight=0.5", "--config.sft.steps=20", "--config.task.train_size=512",
-             "--config.sft.train_size=512")
+             "--config.sft.train_size=512",
+             # the predicted-KL controller, whose probe responses are gathered from every process's rows
+             "--config.optimizer.kl_control=True", "--config.optimizer.kl_budget=0.32",
+             "--config.optimizer.ratio_scope=global")
 # Metrics that measure the machine, not the run.
 MACHINE = ("time", "rss", "bytes_in_use", "peak", "sync_bytes")
 TIMEOUT_S = 240
@@ -136,6 +140,7 @@ def test_two_processes_equal_one_process_with_the_same_mesh(runs):
     assert len(steps) == STEPS and any(abs(r["loss"]) > 0 for r in steps)  # it learned something to compare
     assert multi == reference  # loss, reward, KL, held-out accuracy, ...: bitwise equal
     assert all(r["sync_resyncs"] == 0 for r in steps)  # each process's engine shards stayed bitwise the trainer's
+    assert all(r["kl_realised"] > 0 and r["kl_predicted"] > 0 for r in steps)  # the KL probe ran every step
     summaries = [json.loads((d / "summary.json").read_text()) for d in (one, two)]
     assert [{k: s[k] for k in ("accuracy_before", "accuracy_after", "steps")} for s in summaries] == \
         [{k: summaries[0][k] for k in ("accuracy_before", "accuracy_after", "steps")}] * 2
