@@ -299,10 +299,11 @@ class CheckpointManager:
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be a non-negative integer, got {step!r}")
         step = int(step)
-        data_state = _gather_data_states(_check_json(data_state, "data_state"))
+        data_state = _check_json(data_state, "data_state")
         extra = _check_json(extra, "extra")
         if not force and not self.should_save(step):
             return False
+        data_state = _gather_data_states(data_state)  # every process decides alike whether to save
         if step in self.all_steps():
             raise ValueError(f"CheckpointManager.save: checkpoint {self.step_dir(step)} exists already")
         # A save orbax cannot write fails in its background threads and is reported one save late (or never,

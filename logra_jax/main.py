@@ -17,6 +17,7 @@ machines, and no interpreter-shutdown noise follows the error.
 
 import os
 import sys
+import time
 import traceback
 
 import jax
@@ -55,6 +56,8 @@ def _exit(code: int, message: str = "") -> None:
 
 def _peer_failed(text: str) -> None:
     """Another process of the run failed (the failure watch's callback): stop this one at once, naming it."""
+    if jax.process_index() == 0:  # it hosts the coordination service: give the others time to read the news
+        time.sleep(multihost.LINGER_S)
     _exit(1, f"error: stopping process {jax.process_index()} because {text}")
 
 
@@ -73,7 +76,12 @@ def main(argv: list[str]) -> None:
     try:
         train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except RunPreempted as e:
-        multihost.stop_watching()
+        if e.step is None:  # a stop before RL (during SFT) is this process's alone: the others must hear of it
+            multihost.announce_failure(str(e))
+        else:  # every process agreed on the stop and raises it at the same step: leave together
+            multihost.stop_watching()
+            if identity is not None:
+                multihost.shutdown()
         _exit(e.exit_code, f"{e}; run the same command again to resume")
     except Exception as e:  # every error ends the process here, described last
         if not _expected(e):

@@ -250,6 +250,8 @@ def shutdown() -> None:
 
 _FAILURE_KEY = "logra_jax/failure"
 _WATCH_POLL_MS = 500
+LINGER_S = 2.0  # how long process 0 (host of the coordination service) stays after a failure, for the news to spread
+_WATCH_RETRIES = 10  # consecutive store errors (not timeouts) before the coordinator counts as lost
 _watch: dict[str, Any] = {}
 
 
@@ -264,12 +266,17 @@ def detect_cluster(timeout_s: int = 300) -> DistributedConfig | None:
         from jax._src import clusters
         present = [env for env in clusters.ClusterEnv._cluster_types
                    if not env.opt_in_only_method and env.is_env_present()]
-        if not present:
-            return None
-        address, n, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            None, None, None, None, None, timeout_s)
     except (ImportError, AttributeError):
         return None
+    if not present:
+        return None
+    try:
+        address, n, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, None, timeout_s)
+    except Exception as e:  # cluster back ends raise anything (DNS, Kubernetes, a metadata server)
+        raise DistributedInitError(f"JAX's cluster detection found {[env.__name__ for env in present]} but could "
+                                   f"not read this process's identity: {type(e).__name__}: {e} (set "
+                                   f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} instead)") from e
     if address is None or n is None or pid is None or int(n) <= 1:
         return None
     local_ids = None if local is None else tuple(int(i) for i in ([local] if isinstance(local, int) else local))
@@ -299,7 +306,7 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     config = DistributedConfig.from_env(env)
     if config is not None or not auto_detect:
         return config
-    return detect_cluster()
+    return detect_cluster(int(os.environ.get(ENV_TIMEOUT, 300)))
 
 
 def is_primary() -> bool:
@@ -329,7 +336,7 @@ def _client() -> Any:
     return distributed.global_state.client
 
 
-def announce_failure(message: str, *, linger_s: float = 2.0) -> None:
+def announce_failure(message: str, *, linger_s: float = LINGER_S) -> None:
     """Tell every process of the run that this one failed with `message` (they stop at once, naming it).
 
     The message goes into the coordination service's key-value store, which every process's failure watch
@@ -340,10 +347,8 @@ def announce_failure(message: str, *, linger_s: float = 2.0) -> None:
     if client is None:
         return
     stop_watching()
-    try:
+    with contextlib.suppress(Exception):  # another process announced first, or the service is gone
         client.key_value_set(_FAILURE_KEY, f"process {jax.process_index()}: {message}")
-    except Exception:
-        return
     if jax.process_index() == 0:
         time.sleep(linger_s)
 
@@ -359,14 +364,20 @@ def watch_failures(on_failure: Any) -> None:
     stop = threading.Event()
 
     def loop() -> None:
+        errors = 0
         while not stop.is_set():
             try:
                 text = client.blocking_key_value_get(_FAILURE_KEY, _WATCH_POLL_MS)
-            except Exception as e:
+            except Exception as e:  # the runtime raises one error type: tell timeouts apart by their text
                 if stop.is_set() or "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                    errors = 0
                     continue
-                on_failure(f"process 0: lost contact with the coordinator ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''})")
+                errors += 1  # a transient store error is retried; a coordinator gone for good is not
+                if errors < _WATCH_RETRIES:
+                    time.sleep(_WATCH_POLL_MS / 1000)
+                    continue
+                on_failure(f"this process lost contact with the coordinator, hosted by process 0 "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
                 return
             if not stop.is_set():
                 on_failure(text)

@@ -80,7 +80,7 @@ from logra_jax.sharding import (
 )
 from logra_jax.train_step import TrainState, make_train_step
 from logra_jax.transport.rollout_worker import rollout_engine
-from logra_jax.transport.sync import PolicySync, flat_params
+from logra_jax.transport.sync import PolicySync, flat_params, weight_fingerprint
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")
@@ -305,6 +305,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
 
     plan = build_optimizer(run.optimizer, model, temperature=run.rollout.temperature)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    _check_same_start(params, rest, run)
     loss_cfg = LossConfig(policy=run.algorithm.policy, eps_low=run.algorithm.eps_low,
                           eps_high=run.algorithm.eps_high, tis_cap=run.algorithm.tis_cap or None,
                           kl_beta=run.algorithm.kl_beta, aggregation=run.algorithm.aggregation,
@@ -433,7 +434,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         sums = _sum_over_processes(np.array([
             local_rewards.sum(), (local_rewards >= reward_cfg.correct).sum(),
             local_rows(rollout.lengths).sum(), local_rows(rollout.finished).sum(),
-            reward_stats.num_failed + reward_stats.num_timed_out], np.float64))
+            reward_stats.num_failed + reward_stats.num_timed_out], np.float64) * mine.counts_rows)
         out.update(reward_mean=float(sums[0] / n_rows), accuracy=float(sums[1] / n_rows),
                    response_length=float(sums[2] / n_rows), truncated=float(1.0 - sums[3] / n_rows),
                    reward_failures=float(sums[4]),
@@ -515,6 +516,13 @@ class _ProcessRows:
                              f"config.rollout.prompts_per_step = {self.batch} a multiple of the mesh's "
                              "data × fsdp devices")
         self.part = (start // size, self.batch // size)
+        # Processes whose devices hold the same rows (a mesh axis across processes that does not split rows, e.g.
+        # tensor) all score them; the lowest of them counts them in the step's metrics.
+        self.counts_rows = True
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            spans = np.asarray(multihost_utils.process_allgather(np.asarray(self.rollout, np.int64)))
+            self.counts_rows = not any(tuple(spans[q]) == self.rollout for q in range(jax.process_index()))
 
     def global_prompts(self, local: np.ndarray) -> jax.Array:
         """The [prompts_per_step, P] global array of which `local` are this process's rows."""
@@ -523,6 +531,27 @@ class _ProcessRows:
     def row_problems(self, problems: list[Any]) -> list[Any]:
         """The problem of each rollout row this process holds (`problems`: its prompts' problems)."""
         return [problems[row // self.n - self.prompts[0]] for row in range(*self.rollout)]
+
+
+def _check_same_start(params: Any, rest: Any, run: RunConfig) -> None:
+    """Every process built the model (and ran any SFT warm start) on its own device; the shards it keeps come from
+    its own copy, so all copies must be bitwise equal. Checked by gathering the weights' fingerprints.
+
+    Raises:
+      ValueError: a process's weights differ from process 0's (names the processes and leaves, and the fix).
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+    prints = weight_fingerprint((params, rest))
+    words = np.asarray(multihost_utils.process_allgather(np.asarray(list(prints.values()), np.uint32)))
+    differ = [q for q in range(len(words)) if not np.array_equal(words[q], words[0])]
+    if differ:
+        leaves = [p for i, p in enumerate(prints) if not np.array_equal(words[differ[0]][i], words[0][i])]
+        hint = ("set config.sft.cache_dir so that process 0 computes the warm start once and every process loads "
+                "it" if run.sft.steps else "check that every process runs the same code and model files")
+        raise ValueError(f"the starting weights of process(es) {differ} differ from process 0's in {len(leaves)} "
+                         f"leaves (e.g. {leaves[:3]}): each process builds the model on its own device; {hint}")
 
 
 def _sum_over_processes(values: np.ndarray) -> np.ndarray:
@@ -552,9 +581,15 @@ def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, work
       CheckpointError: the (last) candidate is unreadable; the message says which config fields pick another.
     """
     for i, step in enumerate(candidates):
+        e: CheckpointError | None = None
         try:
             tree, data_state, extra = ckpt.restore(step, abstract=abstract)
-        except CheckpointError as e:
+        except CheckpointError as error:
+            e = error
+        # Each process reads its own shards: all fall back (or stop) together when any could not read them.
+        failing = _processes_where(e is not None)
+        if failing:
+            e = e or CheckpointError(f"checkpoint {ckpt.step_dir(step)} is unreadable on process(es) {failing}")
             others = [s for s in ckpt.all_steps() if s != step]
             if i + 1 < len(candidates):
                 moved = ckpt.set_aside(step, workdir / "checkpoints_set_aside")
@@ -569,6 +604,15 @@ def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, work
             log(f"resuming from checkpoint {step}: the newer checkpoint {newer} was moved to {moved}")
         return tree, data_state, extra, step
     raise AssertionError("unreachable: no candidate checkpoints")
+
+
+def _processes_where(flag: bool) -> list[int]:
+    """The processes of the run for which `flag` holds (this one alone in a single-process run)."""
+    if jax.process_count() == 1:
+        return [0] if flag else []
+    from jax.experimental import multihost_utils
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(flag)))
+    return [int(q) for q in np.flatnonzero(flags)]
 
 
 def _close_quietly(*closables: Any) -> None:

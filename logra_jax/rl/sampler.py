@@ -17,6 +17,7 @@ keys never recompile. Pad prompts to a few fixed lengths to bound the number of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -229,12 +230,12 @@ class Sampler:
         if total > self.max_seq_len:
             raise ValueError(f"Sampler: prompt length {prompts.shape[1]} + max_new_tokens {self.config.max_new_tokens}"
                              f" = {total} exceeds the model's max_seq_len {self.max_seq_len}")
-        try:
-            empty = np.flatnonzero(~np.asarray(prompt_mask).astype(bool).any(axis=1))
-        except jax.errors.TracerArrayConversionError:  # called under a transformation: nothing to inspect
-            empty = np.zeros(0, int)
-        except RuntimeError:  # a global array spanning processes: its rows were checked where they were made
-            empty = np.zeros(0, int)
+        # Nothing to inspect under a transformation, nor in a global array spanning processes (its rows were
+        # checked where they were made).
+        empty = np.zeros(0, int)
+        if getattr(prompt_mask, "is_fully_addressable", True):
+            with contextlib.suppress(jax.errors.TracerArrayConversionError):
+                empty = np.flatnonzero(~np.asarray(prompt_mask).astype(bool).any(axis=1))
         if empty.size:
             raise ValueError(f"Sampler: prompt_mask rows {empty.tolist()} have no real token")
         return generate(self.graphdef, self.state if state is None else state, prompts, prompt_mask, key,
