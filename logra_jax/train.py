@@ -3,7 +3,8 @@
   train_and_evaluate(config, workdir)
 
 1. Model and tokenizer (preset + random init, or a checkpoint), tasks (tfds builders read through grain).
-2. Optional SFT warm start on easier problems (skipped when resuming from an RL checkpoint).
+2. Optional SFT warm start on easier problems (skipped when resuming from an RL checkpoint, unless a reference-KL
+   penalty needs the policy RL started from: SFT is deterministic, so it is repeated).
 3. Held-out greedy accuracy, then `train.steps` RL updates: sample prompts_per_step × num_samples responses with
    the rollout engine, score them (time-limited, never eval'd), compute advantages, run the jitted train step
    (microbatched; LoGRA sketch-native or dense, predicted-KL control on a few probe responses), sync the
@@ -280,8 +281,11 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     opened.append(writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
-    if resume_step is None and run.sft.steps:
-        log(f"SFT warm start: {run.sft.steps} steps on {len(tasks.sft_problems)} easier problems")
+    # A resumed run restores its weights from the checkpoint; it repeats the (deterministic) SFT warm start only
+    # when the reference-KL penalty needs the policy RL started from.
+    if run.sft.steps and (resume_step is None or run.algorithm.kl_beta > 0):
+        again = "" if resume_step is None else " again, for the KL penalty's reference policy"
+        log(f"SFT warm start{again}: {run.sft.steps} steps on {len(tasks.sft_problems)} easier problems")
         sft_len = prompt_len + run.rollout.max_new_tokens
         def stop_during_sft(step: int, metrics: dict[str, float]) -> None:
             del metrics

@@ -98,6 +98,32 @@ def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch, tiny_config, re
         train_and_evaluate({**config, "train": {**config["train"], "steps": 6}}, broken)
 
 
+def test_resume_keeps_the_sft_weights_as_the_kl_reference(tmp_path, monkeypatch, tiny_config, read_metrics):
+    """With a reference-KL penalty the reference is the policy RL starts from (after SFT); a resumed run must use
+    the same one, so it reproduces the uninterrupted run's KL and losses."""
+    config = tiny_config(algorithm={"kl_beta": 0.05}, sft={"steps": 3, "batch_size": 4, "train_size": 32},
+                         train={"steps": 3, "checkpoint_every": 1, "microbatches": 1},
+                         rollout={"prompts_per_step": 2, "num_samples": 4})
+    train_and_evaluate(config, tmp_path / "straight", reward_fn=_digit_fraction)
+    real = train_mod.score_responses
+    calls = {"n": 0}
+
+    def dies_after_step_one(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise _Interrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "score_responses", dies_after_step_one)
+    with pytest.raises(_Interrupt):
+        train_and_evaluate(config, tmp_path / "resumed", reward_fn=_digit_fraction)
+    monkeypatch.setattr(train_mod, "score_responses", real)
+    train_and_evaluate(config, tmp_path / "resumed", reward_fn=_digit_fraction)
+    straight = read_metrics(tmp_path / "straight")
+    assert any(r.get("kl", 0) > 0 for r in straight)  # the reference penalty is in play
+    assert read_metrics(tmp_path / "resumed") == straight
+
+
 @pytest.mark.parametrize(("section", "field", "value", "message"), [
     ("algorithm", "estimator", "ppo2", "config.algorithm.estimator = 'ppo2'"),
     ("optimizer", "rank", 0, "config.optimizer.rank = 0"),
