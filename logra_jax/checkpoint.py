@@ -46,6 +46,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax import lax
 
+from logra_jax import multihost
+
 LAYOUT_FORMAT = "logra_jax.checkpoint/1"
 _ITEMS = ("state", "data", "extra", "layout")
 _GOLDEN = 0x9E3779B1
@@ -246,7 +248,7 @@ class CheckpointManager:
         if jax.process_index() == 0:  # one directory that every process sees: process 0 moves it (and logs)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(str(self.step_dir(step)), target)
-        _barrier(f"set_aside {step}")
+        multihost.barrier(f"set_aside {step}")
         self._manager.reload()
         return target
 
@@ -406,24 +408,15 @@ class CheckpointManager:
 PER_PROCESS = "per_process"
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
-
-
 def _gather_data_states(state: dict[str, Any]) -> dict[str, Any]:
     """A multi-process run's data-iterator states, one per process: {"per_process": [state_0, ...]} (every
     process reads its own data shard, so each has its own iterator). Single-process: `state` unchanged."""
     if jax.process_count() == 1:
         return state
-    from jax.experimental import multihost_utils
     raw = np.frombuffer(json.dumps(state, sort_keys=True).encode(), np.uint8)
-    longest = int(np.max(multihost_utils.process_allgather(np.int32(raw.size))))
-    padded = np.zeros(longest, np.uint8)
+    padded = np.zeros(int(multihost.gather(np.int32(raw.size)).max()), np.uint8)
     padded[:raw.size] = raw
-    rows = multihost_utils.process_allgather(padded)
-    return {PER_PROCESS: [json.loads(bytes(r).rstrip(b"\0").decode()) for r in np.asarray(rows)]}
+    return {PER_PROCESS: [json.loads(bytes(r).rstrip(b"\0").decode()) for r in multihost.gather(padded)]}
 
 
 def _own_data_state(data: dict[str, Any], where: str) -> dict[str, Any]:

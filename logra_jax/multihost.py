@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -319,6 +320,22 @@ def barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+def gather(x: Any) -> np.ndarray:
+    """Every process's `x` (the same shape and dtype on each), stacked: [num_processes, *shape], bit for bit (the
+    bytes travel, so float64 and int64 survive JAX's 32-bit default). `x[None]` in a single-process run.
+
+    Example:
+      >>> gather(np.float64(0.1)).tolist()
+      [0.1]
+    """
+    x = np.asarray(x, order="C")  # (np.ascontiguousarray would make a scalar 1-d)
+    if jax.process_count() == 1:
+        return x[None]
+    from jax.experimental import multihost_utils
+    rows = np.asarray(multihost_utils.process_allgather(x.reshape(-1).view(np.uint8)))
+    return np.ascontiguousarray(rows).view(x.dtype).reshape(-1, *x.shape)
 
 
 @contextlib.contextmanager

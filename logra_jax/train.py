@@ -435,10 +435,10 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         out = {k: float(v) for k, v in jax.device_get(out).items()}
         out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
         local_rewards = np.asarray(local_rewards, np.float64)
-        sums = _sum_over_processes(np.array([
+        sums = multihost.gather(np.array([
             local_rewards.sum(), (local_rewards >= reward_cfg.correct).sum(),
             local_rows(rollout.lengths).sum(), local_rows(rollout.finished).sum(),
-            reward_stats.num_failed + reward_stats.num_timed_out], np.float64) * mine.counts_rows)
+            reward_stats.num_failed + reward_stats.num_timed_out], np.float64) * mine.counts_rows).sum(axis=0)
         out.update(reward_mean=float(sums[0] / n_rows), accuracy=float(sums[1] / n_rows),
                    response_length=float(sums[2] / n_rows), truncated=float(1.0 - sums[3] / n_rows),
                    reward_failures=float(sums[4]),
@@ -462,7 +462,8 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         # Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice;
         # the final step and a stop request (SIGTERM / SIGINT) always save when checkpoints are on.
         last = step + 1 == run.train.steps
-        signum = _agreed_signal(stop.signum)  # every process stops at the same step, or none does
+        # Any process's stop request stops every process at this step (SIGTERM to one host), or none does.
+        signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
         must = signum is not None or (last and run.train.checkpoint_every > 0)
         ckpt.save(step + 1, (state, est_state), data_state=data_iter.get_state(),
                   extra={"accuracy_before": accuracy_before}, force=must and not ckpt.should_save(step + 1))
@@ -522,11 +523,8 @@ class _ProcessRows:
         self.part = (start // size, self.batch // size)
         # Processes whose devices hold the same rows (a mesh axis across processes that does not split rows, e.g.
         # tensor) all score them; the lowest of them counts them in the step's metrics.
-        self.counts_rows = True
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            spans = np.asarray(multihost_utils.process_allgather(np.asarray(self.rollout, np.int64)))
-            self.counts_rows = not any(tuple(spans[q]) == self.rollout for q in range(jax.process_index()))
+        spans = multihost.gather(np.asarray(self.rollout))
+        self.counts_rows = not any(tuple(spans[q]) == self.rollout for q in range(jax.process_index()))
 
     def global_prompts(self, local: np.ndarray) -> jax.Array:
         """The [prompts_per_step, P] global array of which `local` are this process's rows."""
@@ -546,9 +544,8 @@ def _check_same_start(params: Any, rest: Any, run: RunConfig) -> None:
     """
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
     prints = weight_fingerprint((params, rest))
-    words = np.asarray(multihost_utils.process_allgather(np.asarray(list(prints.values()), np.uint32)))
+    words = multihost.gather(np.asarray(list(prints.values()), np.uint32))
     differ = [q for q in range(len(words)) if not np.array_equal(words[q], words[0])]
     if differ:
         leaves = [p for i, p in enumerate(prints) if not np.array_equal(words[differ[0]][i], words[0][i])]
@@ -556,24 +553,6 @@ def _check_same_start(params: Any, rest: Any, run: RunConfig) -> None:
                 "it" if run.sft.steps else "check that every process runs the same code and model files")
         raise ValueError(f"the starting weights of process(es) {differ} differ from process 0's in {len(leaves)} "
                          f"leaves (e.g. {leaves[:3]}): each process builds the model on its own device; {hint}")
-
-
-def _sum_over_processes(values: np.ndarray) -> np.ndarray:
-    """Per-process float64 partial sums added over the processes of the run, exactly (bits travel as uint32)."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
-    words = np.asarray(multihost_utils.process_allgather(values.astype(np.float64).view(np.uint32)))
-    return np.ascontiguousarray(words).view(np.float64).sum(axis=0)
-
-
-def _agreed_signal(signum: int | None) -> int | None:
-    """The stop request of any process of the run (SIGTERM to one of them stops all at the same step)."""
-    if jax.process_count() == 1:
-        return signum
-    from jax.experimental import multihost_utils
-    agreed = int(np.max(multihost_utils.process_allgather(np.int32(signum or 0))))
-    return agreed or None
 
 
 def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, workdir: Path,
@@ -591,7 +570,7 @@ def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, work
         except CheckpointError as error:
             e = error
         # Each process reads its own shards: all fall back (or stop) together when any could not read them.
-        failing = _processes_where(e is not None)
+        failing = np.flatnonzero(multihost.gather(np.int32(e is not None))).tolist()
         if failing:
             e = e or CheckpointError(f"checkpoint {ckpt.step_dir(step)} is unreadable on process(es) {failing}")
             others = [s for s in ckpt.all_steps() if s != step]
@@ -608,15 +587,6 @@ def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, work
             log(f"resuming from checkpoint {step}: the newer checkpoint {newer} was moved to {moved}")
         return tree, data_state, extra, step
     raise AssertionError("unreachable: no candidate checkpoints")
-
-
-def _processes_where(flag: bool) -> list[int]:
-    """The processes of the run for which `flag` holds (this one alone in a single-process run)."""
-    if jax.process_count() == 1:
-        return [0] if flag else []
-    from jax.experimental import multihost_utils
-    flags = np.asarray(multihost_utils.process_allgather(np.int32(flag)))
-    return [int(q) for q in np.flatnonzero(flags)]
 
 
 def _close_quietly(*closables: Any) -> None:

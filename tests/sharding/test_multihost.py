@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from logra_jax import multihost
@@ -113,6 +114,8 @@ def test_single_process_helpers_need_no_runtime():
     multihost.barrier("nothing to wait for")
     with multihost.primary_first("alone"):
         pass
+    np.testing.assert_array_equal(multihost.gather(np.float64(0.1)), [0.1])  # [processes, *shape]
+    assert multihost.gather(np.arange(3, dtype=np.int64)).shape == (1, 3)
     multihost.announce_failure("no peers to tell")  # no-ops without jax.distributed
     multihost.watch_failures(lambda text: None)
     multihost.stop_watching()
