@@ -10,6 +10,7 @@ the same RL steps on the same batches; only the optimizer differs):
   logra-nt-adamw   LoGRA with a fixed update ratio and the non-targets trained by AdamW (lr 1e-4, not swept)
   rowadam-dense    LoGRA's RowAdam + update ratio on the targets' dense gradients (no sketch)
   logra-layer      LoGRA, fixed ratio applied per layer (each layer moves by the ratio of its own norm): a remedy
+  logra-layer-kl   the per-layer ratio under the predicted-KL controller
   logra-kl-undo    logra-kl with steps undone when the realised KL on the probe exceeds 4× the budget (the remedy)
 Protocol: each contender's step size (AdamW/GaLore lr, LoGRA update ratio or KL budget) over 4 log-spaced values
 × 2 seeds ("sweep"); then each contender's best value (highest mean final held-out accuracy) with 5 seeds
@@ -37,23 +38,31 @@ from typing import Any
 from experiments.sweep import DEMO_CONFIG, load_config, merged, plot_curves, run_sweep
 
 HERE = Path(__file__).parent
+# Every LoGRA contender states its step rule in full (kl_control, ratio_scope), so that none depends on what
+# configs/demo.py happens to default to (since this study it runs the per-layer ratio without KL control).
 NO_KL = {"kl_control": False}
+GLOBAL, LAYER = {"ratio_scope": "global"}, {"ratio_scope": "layer"}
 # contender → (step-size field, grid, fixed overrides)
 CONTENDERS: dict[str, tuple[str, tuple[float, ...], dict[str, Any]]] = {
     "adamw-all": ("learning_rate", (3e-5, 1e-4, 3e-4, 1e-3), {"name": "adamw", **NO_KL}),
     "adamw-targets": ("learning_rate", (3e-5, 1e-4, 3e-4, 1e-3), {"name": "adamw", "targets_only": True, **NO_KL}),
     "galore": ("learning_rate", (1e-4, 3e-4, 1e-3, 3e-3), {"name": "galore", **NO_KL}),
-    "logra-kl": ("kl_budget", (1.25e-3, 5e-3, 2e-2, 8e-2, 3.2e-1), {}),
-    "logra-fixed": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), NO_KL),
+    "logra-kl": ("kl_budget", (1.25e-3, 5e-3, 2e-2, 8e-2, 3.2e-1), {"kl_control": True, **GLOBAL}),
+    "logra-fixed": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {**NO_KL, **GLOBAL}),
     "logra-nt-adamw": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2),
-                       {"non_targets": "adamw", "learning_rate": 1e-4, **NO_KL}),
-    "rowadam-dense": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {"name": "row_adam", **NO_KL}),
+                       {"non_targets": "adamw", "learning_rate": 1e-4, **NO_KL, **GLOBAL}),
+    "rowadam-dense": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {"name": "row_adam", **NO_KL, **GLOBAL}),
     # The remedy tried for the component at fault (the step-size rule, see README): each layer moves by the
     # update ratio of its own norm (optimizer.ratio_scope="layer") instead of one global ratio.
-    "logra-layer": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {"ratio_scope": "layer", **NO_KL}),
+    "logra-layer": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {**NO_KL, **LAYER}),
+    # The per-layer ratio (raw ratio 3e-3) under the predicted-KL controller: the controller rescales the
+    # per-layer step to the budget.
+    "logra-layer-kl": ("kl_budget", (5e-3, 2e-2, 8e-2, 3.2e-1), {"kl_control": True, "update_ratio": 3e-3,
+                                                                  **LAYER}),
     # The remedy tried for LoGRA's drops: logra-kl whose steps are undone when the realised KL on the probe
     # exceeds 4× the budget (optimizer.kl_undo_above).
-    "logra-kl-undo": ("kl_budget", (5e-3, 2e-2, 8e-2, 3.2e-1), {"kl_undo_above": 4.0}),
+    "logra-kl-undo": ("kl_budget", (5e-3, 2e-2, 8e-2, 3.2e-1), {"kl_control": True, "kl_undo_above": 4.0,
+                                                                 **GLOBAL}),
 }
 SWEEP_SEEDS, BEST_SEEDS = (0, 1), (0, 1, 2, 3, 4)
 
