@@ -44,7 +44,7 @@ def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 
 
 def _adamw(cfg: OptimizerSection) -> optax.GradientTransformation:
-    adamw = optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)
+    adamw = optax.adamw(cfg.learning_rate, b1=cfg.adam_b1, weight_decay=cfg.weight_decay)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
 
 

@@ -203,8 +203,9 @@ class AlgorithmSection:
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
     """name: "logra" | "adamw" | "galore" | "adafactor" | "row_adam". AdamW/GaLore use learning_rate, weight_decay
-    and grad_clip (0 = off), Adafactor learning_rate; AdamW with targets_only trains exactly LoGRA's targets (the
-    rest frozen); row_adam is LoGRA's RowAdam and update_ratio on the targets' dense gradients (no sketch; b2, eps);
+    and grad_clip (0 = off), AdamW also adam_b1 (its β₁; 0 drops the first moment, as RowAdam has none),
+    Adafactor learning_rate; AdamW with targets_only trains exactly LoGRA's targets (the rest frozen);
+    row_adam is LoGRA's RowAdam and update_ratio on the targets' dense gradients (no sketch; b2, eps);
     GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd) and ratio_scope ("global" as in the paper, or
     "layer": each layer moves by update_ratio of its own norm), learning_rate (nemo), refresh,
     distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
@@ -219,6 +220,7 @@ class OptimizerSection:
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 0.0
+    adam_b1: float = 0.9
     rank: int = 64
     variant: str = "paper"
     update_ratio: float = 6e-5
@@ -254,6 +256,9 @@ class OptimizerSection:
         _check_range("optimizer", "learning_rate", self.learning_rate, 0.0, lo_open=True)
         _check_range("optimizer", "weight_decay", self.weight_decay, 0.0)
         _check_range("optimizer", "grad_clip", self.grad_clip, 0.0)
+        _check_range("optimizer", "adam_b1", self.adam_b1, 0.0)
+        if self.adam_b1 >= 1.0:
+            _fail("optimizer.adam_b1", self.adam_b1, "must be < 1")
         _check_range("optimizer", "rank", self.rank, 1)
         _check_range("optimizer", "update_ratio", self.update_ratio, 0.0, lo_open=True)
         _check_range("optimizer", "base_seed", self.base_seed, 0)

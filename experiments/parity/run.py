@@ -4,6 +4,7 @@ Contenders (every one starts from the same SFT warm start of its seed, computed 
 the same RL steps on the same batches; only the optimizer differs):
   adamw-all        AdamW on every parameter
   adamw-targets    AdamW on exactly LoGRA's targets (attention + MLP projections), the rest frozen
+  adamw-targets-b1zero  adamw-targets without AdamW's first moment (β₁ = 0), as RowAdam has none: an ablation
   galore           optax GaLore (rank 64) on the targets, AdamW elsewhere
   logra-kl         LoGRA (sketch-native, rank 64) with the predicted-KL controller (demo's raw ratio 3e-3)
   logra-fixed      LoGRA with a fixed update ratio (no KL control)
@@ -46,6 +47,9 @@ GLOBAL, LAYER = {"ratio_scope": "global"}, {"ratio_scope": "layer"}
 CONTENDERS: dict[str, tuple[str, tuple[float, ...], dict[str, Any]]] = {
     "adamw-all": ("learning_rate", (3e-5, 1e-4, 3e-4, 1e-3), {"name": "adamw", **NO_KL}),
     "adamw-targets": ("learning_rate", (3e-5, 1e-4, 3e-4, 1e-3), {"name": "adamw", "targets_only": True, **NO_KL}),
+    # Ablation of the first moment: RowAdam has none; does AdamW lose LoGRA's remaining points without its own?
+    "adamw-targets-b1zero": ("learning_rate", (3e-5, 1e-4, 3e-4, 1e-3),
+                           {"name": "adamw", "targets_only": True, "adam_b1": 0.0, **NO_KL}),
     "galore": ("learning_rate", (1e-4, 3e-4, 1e-3, 3e-3), {"name": "galore", **NO_KL}),
     "logra-kl": ("kl_budget", (1.25e-3, 5e-3, 2e-2, 8e-2, 3.2e-1), {"kl_control": True, **GLOBAL}),
     "logra-fixed": ("update_ratio", (1e-3, 3e-3, 1e-2, 3e-2), {**NO_KL, **GLOBAL}),

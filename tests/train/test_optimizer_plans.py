@@ -47,3 +47,22 @@ def test_contender_trains_exactly_the_targets(section):
 def test_targets_only_is_an_adamw_option():
     with pytest.raises(ValueError, match=r"config\.optimizer\.targets_only = True"):
         RunConfig.from_dict({"optimizer": {"name": "logra", "targets_only": True}})
+
+
+def test_adam_b1_zero_drops_adamws_first_moment():
+    """optimizer.adam_b1 = 0: the second update is g₂ / (sqrt(v̂₂) + ε) alone (numpy reference), not a momentum."""
+    model = init_model(preset("tiny"))
+    lr = 1e-3
+    tx = build_optimizer(OptimizerSection(name="adamw", learning_rate=lr, adam_b1=0.0), model).tx
+    params = nnx.state(model, nnx.Param)
+    g1, g2 = (jax.tree.map(lambda p, k=k: jax.random.normal(jax.random.key(k), p.shape), params) for k in (1, 2))
+    state = tx.init(params)
+    _, state = tx.update(g1, state, params)
+    u2, _ = tx.update(g2, state, params)
+    for a, b, u in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), jax.tree.leaves(u2), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        v2 = 0.999 * 0.001 * a**2 + 0.001 * b**2
+        np.testing.assert_allclose(np.asarray(u), -lr * b / (np.sqrt(v2 / (1 - 0.999**2)) + 1e-8), rtol=2e-5,
+                                   atol=1e-9)
+    with pytest.raises(ValueError, match=r"config\.optimizer\.adam_b1"):
+        RunConfig.from_dict({"optimizer": {"name": "adamw", "adam_b1": 1.0}})
