@@ -10,10 +10,12 @@ shows up as a step (and its leftover is removed when the next manager opens the 
 newest steps.
 
 Orbax does not notice every corruption: a flipped byte inside an array chunk restores silently wrong numbers. So
-every saved leaf carries a fingerprint of its bits, computed on device and checked after restore:
+every saved leaf carries a fingerprint of its bits (`logra_jax.fingerprint`), computed on device where the leaf lies
+and checked after restore:
   words w_i = the leaf's bits as uint32 in row-major order (8/16-bit types zero-extended, 64-bit types split),
   c_i = (i · 0x9E3779B1 + 0x7F4A7C15) | 1,   fingerprint = Σ_i c_i w_i  mod 2³².
-Every c_i is odd, hence invertible mod 2³²: a change of any single word always changes the fingerprint.
+Every c_i is odd, hence invertible mod 2³²: a change of any single word always changes the fingerprint. The values
+are stored in the layout item, so that definition is fixed for good (tests/ckpt/test_ckpt_fingerprint.py pins it).
 
 Typed PRNG keys (`jax.random.key`) are stored as their key data (uint32) and re-wrapped with the implementation
 of the restore target; raw key data (`jax.random.key_data`) round-trips as any uint32 array.
@@ -35,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax import lax
 
 from logra_jax import multihost
+from logra_jax.fingerprint import leaf_fingerprints
 
 LAYOUT_FORMAT = "logra_jax.checkpoint/1"
 _ITEMS = ("state", "data", "extra", "layout")
-_GOLDEN = 0x9E3779B1
-_OFFSET = 0x7F4A7C15
 
 
 class CheckpointError(ValueError):
@@ -67,73 +67,6 @@ def _key_impl(dtype: Any) -> str:
     names: list[str] = []
     jax.eval_shape(lambda k: names.append(str(jax.random.key_impl(k))), jax.ShapeDtypeStruct((), dtype))
     return names[0]
-
-
-def _words(x: jax.Array) -> jax.Array:
-    """The bits of `x` as uint32 words (one per element; two per element for 64-bit types)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    bits = jnp.dtype(x.dtype).itemsize * 8
-    if jnp.issubdtype(x.dtype, jnp.complexfloating) or bits not in (8, 16, 32, 64):
-        raise TypeError(f"checkpoint fingerprint: unsupported dtype {x.dtype}")
-    if bits < 32:
-        return lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
-    return lax.bitcast_convert_type(x, jnp.uint32)
-
-
-def fingerprint(x: jax.Array) -> jax.Array:
-    """Position-weighted sum of the bits of `x`: Σ_i c_i w_i mod 2³² with odd c_i (see the module docstring).
-
-    Works on sharded arrays without gathering them (an iota per dimension gives the row-major word index).
-
-    Args:
-      x: an array of a boolean, integer or real floating dtype of 8, 16, 32 or 64 bits.
-
-    Returns:
-      A uint32 scalar.
-
-    Raises:
-      TypeError: complex or sub-byte dtypes.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> int(fingerprint(jnp.array([1, 0], jnp.uint32)))  # c_0 = 0x7F4A7C15
-      2135587861
-    """
-    w = _words(x)
-    index = jnp.zeros(w.shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(w.ndim)):
-        index = index + lax.broadcasted_iota(jnp.uint32, w.shape, dim) * jnp.uint32(stride % 2**32)
-        stride *= w.shape[dim]
-    weights = (index * jnp.uint32(_GOLDEN) + jnp.uint32(_OFFSET)) | jnp.uint32(1)
-    return jnp.sum(w * weights, dtype=jnp.uint32)
-
-
-_fingerprints = jax.jit(lambda leaves: [fingerprint(x) for x in leaves])
-
-
-def _device_order(x: jax.Array) -> tuple[int, ...] | None:
-    """The devices a committed array lives on, in mesh order for a NamedSharding (None when uncommitted)."""
-    if not x.committed:
-        return None
-    mesh = getattr(x.sharding, "mesh", None)
-    if mesh is not None and hasattr(mesh, "devices"):
-        return tuple(int(d.id) for d in np.asarray(mesh.devices).flat)
-    return tuple(sorted(d.id for d in x.sharding.device_set))
-
-
-def _leaf_fingerprints(leaves: Sequence[jax.Array]) -> list[int]:
-    """Fingerprints of many leaves; one jitted call per device assignment (a jit cannot mix them)."""
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(_device_order(x), []).append(i)
-    result = [0] * len(leaves)
-    for indices in groups.values():
-        values = jax.device_get(_fingerprints([leaves[i] for i in indices]))
-        for i, value in zip(indices, values):
-            result[i] = int(value)
-    return result
 
 
 def _check_json(value: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
@@ -318,7 +251,7 @@ class CheckpointManager:
         leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in keyed]
         layout = [{"path": path, **_describe(x)} for path, x in zip(paths, leaves)]
         leaves = [jax.random.key_data(x) if _is_key(x.dtype) else x for x in leaves]
-        for entry, value in zip(layout, _leaf_fingerprints(leaves)):
+        for entry, value in zip(layout, leaf_fingerprints(leaves, paths)):
             entry["fingerprint"] = value
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(jax.tree_util.tree_unflatten(treedef, leaves)),
@@ -371,7 +304,7 @@ class CheckpointManager:
         leaves = jax.tree_util.tree_leaves(items["state"])
         if len(leaves) != len(saved):
             raise CheckpointError(f"{where}: restored {len(leaves)} leaves, the layout lists {len(saved)}{hint}")
-        for entry, value in zip(saved, _leaf_fingerprints(leaves)):
+        for entry, value in zip(saved, leaf_fingerprints(leaves, [e["path"] for e in saved])):
             if value != entry["fingerprint"]:
                 raise CheckpointError(f"{where} is corrupted: leaf {entry['path']} does not match its saved "
                                       f"fingerprint ({value} != {entry['fingerprint']}){hint}")

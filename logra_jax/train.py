@@ -40,6 +40,7 @@ from logra_jax import metrics as metrics_lib
 from logra_jax import multihost
 from logra_jax.builders import build_model, build_tasks
 from logra_jax.checkpoint import CheckpointError, CheckpointManager
+from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.lifecycle import (
     RunPreempted,
     StopRequests,
@@ -81,7 +82,7 @@ from logra_jax.sharding import (
 )
 from logra_jax.train_step import TrainState, make_train_step
 from logra_jax.transport.rollout_worker import rollout_engine
-from logra_jax.transport.sync import PolicySync, flat_params, weight_fingerprint
+from logra_jax.transport.sync import PolicySync, flat_params
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")
@@ -544,7 +545,7 @@ def _check_same_start(params: Any, rest: Any, run: RunConfig) -> None:
     """
     if jax.process_count() == 1:
         return
-    prints = weight_fingerprint((params, rest))
+    prints = tree_fingerprint((params, rest))
     words = multihost.gather(np.asarray(list(prints.values()), np.uint32))
     differ = [q for q in range(len(words)) if not np.array_equal(words[q], words[0])]
     if differ:

@@ -97,13 +97,14 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
     from flax import nnx
 
     from logra_jax import sharding as shd
+    from logra_jax.fingerprint import tree_fingerprint
     from logra_jax.memory_analysis import build_rl_step, contender_sections
     from logra_jax.models.decoder import init_model
     from logra_jax.optim.lowrank import is_lowrank
     from logra_jax.optimizers import build_optimizer
     from logra_jax.rl.sampler import SamplingConfig
     from logra_jax.transport.rollout_worker import InProcessTransport
-    from logra_jax.transport.sync import PolicySync, flat_params, weight_fingerprint
+    from logra_jax.transport.sync import PolicySync, flat_params
 
     device = jax.local_devices()[0]
     report.update(device=device.device_kind, platform=device.platform, jax=jax.__version__,
@@ -151,7 +152,7 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
         report["engine_device"] = str(next(iter(leaves[0].devices()))) if leaves else None
         report["phase"] = "updates"
         save()
-        before = weight_fingerprint(state.params)
+        before = tree_fingerprint(state.params)
         for i in range(updates):
             t0 = time.perf_counter()
             batch = jax.device_put(random_batch(abstract_batch, config.vocab_size, s["prompt_len"], seed=i + 1),
@@ -177,7 +178,7 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
         report.update(statuses=[u["status"] for u in report["updates"]], resyncs=sync.resyncs,
                       payload_bytes=[u["bytes"] for u in report["updates"]], trainer_version=sync.version,
                       phase="compare")
-        after = weight_fingerprint(state.params)
+        after = tree_fingerprint(state.params)
         report["leaves_changed"] = sum(before[p] != after.get(p) for p in before)
         save()
         t0 = time.perf_counter()

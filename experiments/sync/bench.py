@@ -58,7 +58,7 @@ def computed_sizes(model: str, rank: int) -> dict[str, Any]:
     """Framed bytes of a low-rank delta and of full-weight syncs for `model` at `rank` (shapes only)."""
     params = flat_params(nnx.split(abstract_model(preset(model)))[1])
     targets = find_targets(params)
-    fingerprint = {p: (2**32 - 1, 2**32 - 1) for p in params}  # widest JSON numbers: an upper bound
+    fingerprint = {p: 2**32 - 1 for p in params}  # the widest JSON number: an upper bound
     factors = {p: TargetFactor(factor=_zeros((*t.batch_shape, *t.rows_shape, rank), jnp.bfloat16), decay=None,
                                step=10**6, base_seed=42, rank=rank, distribution="rademacher", refresh=True,
                                round_bf16=True, shape=t.shape, rows=t.dims.rows, width=t.dims.width)

@@ -35,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model
 from logra_jax.optim.lowrank import apply_updates
 from logra_jax.rl.sampler import Rollout, Sampler, SamplingConfig
-from logra_jax.transport.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack, weight_fingerprint
+from logra_jax.transport.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack
 from logra_jax.tree_paths import path_str
 
 _OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
@@ -138,9 +139,9 @@ class RolloutWeights:
 
     def _commit(self, payload: SyncPayload, status: str) -> SyncReply:
         self._lap("apply")
-        ours = weight_fingerprint(self.params)
+        ours = tree_fingerprint(self.params)
         self._lap("fingerprint")
-        drifted = [p for p, w in payload.fingerprint.items() if ours[p] != tuple(w)]
+        drifted = [p for p, w in payload.fingerprint.items() if ours[p] != w]
         if drifted:
             self.version = None  # unsynchronised: only a snapshot is accepted from here
             return self._reply("resync", f"weight fingerprint mismatch after {payload.kind} {payload.version} in "

@@ -12,11 +12,12 @@ of updates (the tests check this across processes). Anything else is detected, n
   applies it only on top of `parent`; a gap (missing or out-of-order payload) asks for a full resync, an
   older one is dropped as stale;
 - payload checksum: BLAKE2b-256 over the canonical JSON header and every array's bytes (corruption);
-- weight fingerprint: per parameter leaf, two uint32 words computed on device, Σ_i b_i and Σ_i (2i+1)·b_i
-  (mod 2³²) over the leaf's bit patterns b_i in flat order. Any single changed element changes both words
-  (an odd multiple of a non-zero residue is non-zero mod 2³²) and swapped elements change the second; it costs
-  one read of the weights per update on device and 8 bytes per leaf on the wire, where hashing the weights on
-  the host would move all of them off the device every step. It guards against drift, not against an adversary.
+- weight fingerprint: per parameter leaf, one uint32 computed on device where the leaf lies,
+  `logra_jax.fingerprint.tree_fingerprint` (Σ_i c_i·w_i mod 2³² over the leaf's bit patterns w_i in row-major order,
+  odd position weights c_i: the checkpoints' fingerprint). Any single changed element changes it, and swapped
+  elements do but for a vanishing fraction of values; it costs one read of the weights per update on device and a
+  JSON number per leaf on the wire, where hashing the weights on the host would move all of them off the device
+  every step. It guards against drift, not against an adversary.
 A mismatch of either leaves the receiver unsynchronised until the trainer sends a snapshot (every parameter,
 float32, with the same version, checksum and fingerprint), which is also the bootstrap. The receiving end is
 `logra_jax.transport.rollout_worker.RolloutWeights`; `PolicySync` is the sending end.
@@ -40,11 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
 from logra_jax.optim.targets import MatrixDims, Target
 from logra_jax.tree_paths import path_str
 
-FORMAT = "logra-sync/1"
+FORMAT = "logra-sync/2"  # /2: one fingerprint number per leaf (/1: two)
 _MAGIC = b"LGRASYNC"
 _DTYPES = {name: np.dtype(jnp.dtype(name)) for name in
            ("float32", "bfloat16", "float16", "int32", "uint32", "int8", "uint8", "bool")}
@@ -120,45 +122,6 @@ def flat_params(tree: Any) -> dict[str, Any]:
     return {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    """The element bit patterns as uint32 (8-byte elements contribute two words each)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    narrow = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize)
-    if narrow is not None:
-        return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-
-
-def _leaf_fingerprint(x: jax.Array) -> jax.Array:
-    """(Σ_i b_i, Σ_i (2i+1)·b_i) mod 2³² with x viewed as [R, M] (leading axis × the rest, a free view) and
-    i = row·M + m, via sums over the leading axis S_m = Σ_row b and V_m = Σ_row row·b (on CPUs these run at
-    copy speed, where a flat position-weighted reduction is several times slower):
-      Σ_i b_i = Σ_m S_m,     Σ_i (2i+1)·b_i = 2M·Σ_m V_m + Σ_m (2m+1)·S_m      (wrapping uint32)."""
-    b = _bits(x)
-    b = b.reshape(b.shape[0], -1) if b.ndim else b.reshape(1, 1)
-    num_rows, m = b.shape
-    s = jnp.sum(b, axis=0, dtype=jnp.uint32)
-    v = jnp.sum(jnp.arange(num_rows, dtype=jnp.uint32)[:, None] * b, axis=0, dtype=jnp.uint32)
-    weighted = jnp.uint32((2 * m) & 0xFFFFFFFF) * v + (2 * jnp.arange(m, dtype=jnp.uint32) + 1) * s
-    return jnp.stack([jnp.sum(s, dtype=jnp.uint32), jnp.sum(weighted, dtype=jnp.uint32)])
-
-
-_fingerprints = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
-
-
-def weight_fingerprint(params: Any) -> dict[str, tuple[int, int]]:
-    """Per leaf (Σ_i b_i, Σ_i (2i+1)·b_i) mod 2³² over the bit patterns b_i, computed on device.
-
-    Example:
-      >>> weight_fingerprint({"w": jnp.array([1.0, 2.0])})
-      {'w': (2139095040, 4286578688)}
-    """
-    flat = flat_params(params)
-    words = jax.device_get(_fingerprints(list(flat.values())))
-    return {path: (int(w[0]), int(w[1])) for path, w in zip(flat, words)}
-
-
 @dataclasses.dataclass(frozen=True)
 class TargetFactor:
     """One target's share of a delta: everything `LowRankUpdate` needs to be rebuilt on the rollout side.
@@ -215,7 +178,8 @@ class SyncPayload:
       factors: delta: {target path: TargetFactor}.
       dense: delta: {path: additive update} of trained non-targets (empty when they are frozen).
       weights: snapshot: {path: value} of every parameter.
-      fingerprint: {path: (word, word)} of the trainer's weights at `version` (see `weight_fingerprint`).
+      fingerprint: {path: fingerprint} of the trainer's weights at `version`
+        (`logra_jax.fingerprint.tree_fingerprint`).
       checksum: BLAKE2b-256 hex digest of everything above, as `payload_checksum` computes it ("" on device).
       on_device: the arrays are the trainer's device arrays (global arrays in a multi-process run), handed to a
         colocated engine in the same process: never framed, so no checksum; each process's engine applies
@@ -228,7 +192,7 @@ class SyncPayload:
     factors: Mapping[str, TargetFactor]
     dense: Mapping[str, np.ndarray]
     weights: Mapping[str, np.ndarray]
-    fingerprint: Mapping[str, tuple[int, int]]
+    fingerprint: Mapping[str, int]
     checksum: str
     on_device: bool = False
 
@@ -236,7 +200,7 @@ class SyncPayload:
         """(meta without the checksum, named arrays): the canonical content that is hashed and framed."""
         meta = {"format": FORMAT, "kind": self.kind, "version": self.version, "parent": self.parent,
                 "targets": {p: f.meta() for p, f in self.factors.items()},
-                "fingerprint": {p: list(w) for p, w in self.fingerprint.items()}}
+                "fingerprint": {p: int(w) for p, w in self.fingerprint.items()}}
         arrays = {f"factor/{p}": f.factor for p, f in self.factors.items()}
         arrays |= {f"decay/{p}": f.decay for p, f in self.factors.items() if f.decay is not None}
         arrays |= {f"dense/{p}": a for p, a in self.dense.items()}
@@ -273,7 +237,7 @@ class SyncPayload:
             pick = lambda prefix: {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
             return cls(kind=meta["kind"], version=int(meta["version"]), parent=meta["parent"], factors=factors,
                        dense=pick("dense/"), weights=pick("weight/"),
-                       fingerprint={p: (int(w[0]), int(w[1])) for p, w in meta["fingerprint"].items()},
+                       fingerprint={p: int(w) for p, w in meta["fingerprint"].items()},
                        checksum=str(meta["checksum"]))
         except (KeyError, TypeError, ValueError, IndexError) as err:
             raise PayloadError(f"malformed payload header: {err!r}") from err
@@ -348,7 +312,7 @@ def delta_payload(updates: Any, params: Any, version: int, *, trained: Collectio
                                   refresh=m.refresh, round_bf16=m.round_bf16, shape=t.shape, rows=t.dims.rows,
                                   width=t.dims.width, implementation=m.implementation, interpret=m.interpret)
     fields = dict(kind="delta", version=version, parent=version - 1, factors=factors,
-                  dense={p: keep(a) for p, a in dense.items()}, weights={}, fingerprint=weight_fingerprint(params))
+                  dense={p: keep(a) for p, a in dense.items()}, weights={}, fingerprint=tree_fingerprint(params))
     return _sealed(**fields) if host else SyncPayload(checksum="", on_device=True, **fields)
 
 
@@ -361,7 +325,7 @@ def snapshot_payload(params: Any, version: int, *, host: bool = True) -> SyncPay
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"snapshot_payload: version must be an int >= 0, got {version!r}")
     fields = dict(kind="snapshot", version=version, parent=None, factors={}, dense={},
-                  fingerprint=weight_fingerprint(params))
+                  fingerprint=tree_fingerprint(params))
     if not host:
         return SyncPayload(weights=_copy(flat_params(params)), checksum="", on_device=True, **fields)
     weights = {p: np.asarray(a) for p, a in jax.device_get(flat_params(params)).items()}

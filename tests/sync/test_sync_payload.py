@@ -1,4 +1,5 @@
-"""Sync payloads in one process: framing, checksum, fingerprint and merge against numpy references; version rules."""
+"""Sync payloads in one process: framing, checksum and merge against numpy references; version rules; the weight
+fingerprint on the wire (the fingerprint itself: tests/ckpt/test_ckpt_fingerprint.py)."""
 
 import functools
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
 from logra_jax.optim.projection import target_projection
 from logra_jax.optim.targets import find_targets
@@ -21,7 +23,6 @@ from logra_jax.transport.sync import (
     pack,
     snapshot_payload,
     unpack,
-    weight_fingerprint,
 )
 
 RANK = 4
@@ -72,13 +73,6 @@ def _reference_merge(w, u, c, target, step, round_bf16):
     return (1.0 + c) * np.asarray(w, np.float64) + np.einsum("ldr,lrk->lkd", u, a)
 
 
-def _np_fingerprint(x):
-    x = np.asarray(x)
-    b = x.view(np.uint16) if x.dtype.itemsize == 2 else (x.astype(np.uint8) if x.dtype == bool else x.view(np.uint32))
-    b = [int(v) for v in b.reshape(-1)]
-    return sum(b) % 2**32, sum((2 * i + 1) * v for i, v in enumerate(b)) % 2**32
-
-
 def test_pack_round_trip_every_dtype():
     arrays = {"f": np.arange(6, dtype=np.float32).reshape(2, 3), "h": np.array([1.5, -2.0], jnp.bfloat16),
               "i": np.array([-3, 7], np.int32), "u": np.array([2**32 - 1], np.uint32),
@@ -100,6 +94,7 @@ def test_every_flipped_byte_and_truncation_is_rejected():
     data = payload.to_bytes()
     assert len(data) == payload.nbytes
     SyncPayload.from_bytes(data).verify()
+    assert SyncPayload.from_bytes(data).fingerprint == payload.fingerprint == tree_fingerprint(new)
     for i in range(len(data)):
         bad = bytearray(data)
         bad[i] ^= 1 << (i % 8)
@@ -108,23 +103,6 @@ def test_every_flipped_byte_and_truncation_is_rejected():
     for cut in (0, 7, 15, 200, len(data) - 1):
         with pytest.raises(PayloadError):
             SyncPayload.from_bytes(data[:cut]).verify()
-
-
-def test_fingerprint_equals_numpy_reference_and_sees_single_changes():
-    rng = np.random.default_rng(0)
-    tree = {"f": rng.normal(size=(3, 5, 7)).astype(np.float32), "h": rng.normal(size=(9,)).astype(jnp.bfloat16),
-            "i": rng.integers(-9, 9, size=(4, 4)).astype(np.int32), "b": rng.random(11) > 0.5,
-            "s": np.float32(2.5)}
-    got = weight_fingerprint(jax.tree.map(jnp.asarray, tree))
-    assert got == {name: _np_fingerprint(x) for name, x in tree.items()}
-    f = tree["f"]
-    flipped = f.copy()
-    flipped.reshape(-1)[17] = np.nextafter(flipped.reshape(-1)[17], np.inf)  # one ulp
-    swapped = f.copy()
-    swapped.reshape(-1)[[3, 40]] = swapped.reshape(-1)[[40, 3]]
-    one, two = weight_fingerprint({"f": flipped})["f"], weight_fingerprint({"f": swapped})["f"]
-    assert one[0] != got["f"][0] and one[1] != got["f"][1]
-    assert two[0] == got["f"][0] and two[1] != got["f"][1]  # the position-weighted word sees the swap
 
 
 @pytest.mark.parametrize("round_bf16,decay,dense", [(True, False, False), (False, False, False),
