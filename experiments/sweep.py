@@ -99,7 +99,9 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
     start = time.perf_counter()
     summaries: dict[tuple[str, int], dict[str, Any]] = {}
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+    # One fresh worker process per run: the peak RSS a run reports is its own, not that of earlier runs the same
+    # worker held (a reused worker's ru_maxrss never falls), and no JAX state leaks from one run into the next.
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
         futures = {}
         for variant, seed in cells:
             config = merged(base, variants[variant])
