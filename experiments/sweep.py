@@ -153,10 +153,11 @@ def table(results: Mapping[str, Any]) -> str:
         ms, seeds = v["mean_std"], v["seeds"]
         fmt = lambda key, scale=1.0, digits=3, ms=ms: (f"{ms[key][0] * scale:.{digits}f} ± "
                                                        f"{ms[key][1] * scale:.{digits}f}")
-        step_mib = statistics.median(p["step_bytes"] for p in seeds) / 2**20
+        step_bytes = statistics.median(p["step_bytes"] for p in seeds)
+        step_mib = f"{step_bytes / 2**20:.1f}" if step_bytes >= 0 else "not measured"
         rss_mib = statistics.median(p["peak_rss_bytes"] for p in seeds) / 2**20
         lines.append(f"| {name} | {fmt('accuracy_before')} | {fmt('accuracy_after')} | {fmt('gain', 100, 1)} | "
-                     f"{fmt('final_reward')} | {fmt('step_time_median', digits=2)} | {step_mib:.1f} | {rss_mib:.0f} |")
+                     f"{fmt('final_reward')} | {fmt('step_time_median', digits=2)} | {step_mib} | {rss_mib:.0f} |")
     return "\n".join(lines)
 
 
