@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import runpy
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -39,8 +40,22 @@ def merged(base: Mapping[str, Any], overrides: Overrides) -> dict[str, Any]:
     return out
 
 
+def _exit_with_parent(poll_s: float = 2.0) -> None:
+    """Exit this worker process when the sweep that spawned it is gone (killed or crashed): a pool worker busy in a
+    run would otherwise keep training, unseen, on the cores of whatever runs next."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _run_one(config: dict[str, Any], workdir: str, step_memory: bool = True) -> dict[str, Any]:
     """Worker process: one run, then (step_memory) its compile-only step memory; returns the run's summary."""
+    _exit_with_parent()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from logra_jax.run_config import RunConfig
     from logra_jax.train import train_and_evaluate
