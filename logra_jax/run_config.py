@@ -35,13 +35,13 @@ def _check_choice(section: str, name: str, value: Any, choices: tuple) -> None:
 
 
 def _check_range(section: str, name: str, value: float, lo: float | None = None, hi: float | None = None,
-                 *, lo_open: bool = False) -> None:
+                 *, lo_open: bool = False, hi_open: bool = False) -> None:
     if not math.isfinite(value):
         _fail(f"{section}.{name}", value, "must be finite")
     if lo is not None and (value <= lo if lo_open else value < lo):
         _fail(f"{section}.{name}", value, f"must be {'>' if lo_open else '>='} {lo}")
-    if hi is not None and value > hi:
-        _fail(f"{section}.{name}", value, f"must be <= {hi}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        _fail(f"{section}.{name}", value, f"must be {'<' if hi_open else '<='} {hi}")
 
 
 def _check_task_spec(section: str, **fields: Any) -> None:
@@ -256,15 +256,11 @@ class OptimizerSection:
         _check_range("optimizer", "learning_rate", self.learning_rate, 0.0, lo_open=True)
         _check_range("optimizer", "weight_decay", self.weight_decay, 0.0)
         _check_range("optimizer", "grad_clip", self.grad_clip, 0.0)
-        _check_range("optimizer", "adam_b1", self.adam_b1, 0.0)
-        if self.adam_b1 >= 1.0:
-            _fail("optimizer.adam_b1", self.adam_b1, "must be < 1")
+        _check_range("optimizer", "adam_b1", self.adam_b1, 0.0, 1.0, hi_open=True)
         _check_range("optimizer", "rank", self.rank, 1)
         _check_range("optimizer", "update_ratio", self.update_ratio, 0.0, lo_open=True)
         _check_range("optimizer", "base_seed", self.base_seed, 0)
-        _check_range("optimizer", "b2", self.b2, 0.0, 1.0, lo_open=True)
-        if self.b2 >= 1.0:
-            _fail("optimizer.b2", self.b2, "must be < 1")
+        _check_range("optimizer", "b2", self.b2, 0.0, 1.0, lo_open=True, hi_open=True)
         _check_range("optimizer", "eps", self.eps, 0.0, lo_open=True)
         _check_range("optimizer", "kl_budget", self.kl_budget, 0.0, lo_open=True)
         _check_range("optimizer", "kl_budget_final", self.kl_budget_final, 0.0, lo_open=True)

@@ -64,5 +64,6 @@ def test_adam_b1_zero_drops_adamws_first_moment():
         v2 = 0.999 * 0.001 * a**2 + 0.001 * b**2
         np.testing.assert_allclose(np.asarray(u), -lr * b / (np.sqrt(v2 / (1 - 0.999**2)) + 1e-8), rtol=2e-5,
                                    atol=1e-9)
-    with pytest.raises(ValueError, match=r"config\.optimizer\.adam_b1"):
-        RunConfig.from_dict({"optimizer": {"name": "adamw", "adam_b1": 1.0}})
+    for field in ("adam_b1", "b2"):  # both must be < 1 (the shared range check, open at the top)
+        with pytest.raises(ValueError, match=rf"config\.optimizer\.{field} = 1\.0: must be < 1"):
+            RunConfig.from_dict({"optimizer": {"name": "adamw", field: 1.0}})
