@@ -12,7 +12,7 @@ from logra_jax.models import char_tokenizer, init_model, load, preset
 from logra_jax.models.decoder import Decoder
 from logra_jax.models.tokenizer import Tokenizer
 from logra_jax.rl.data import GeneratedTasks, JsonlTasks, data_source, problem_batches, record_to_problem
-from logra_jax.rl.tasks import Problem, TaskSpec, generate_problem
+from logra_jax.rl.tasks import Problem, generate_problem
 from logra_jax.run_config import ModelSection, SFTSection, TaskSection
 
 
@@ -52,11 +52,6 @@ class Tasks:
     train_problems: Sequence[Problem]
 
 
-def _task_spec(task: TaskSection, seed: int) -> TaskSpec:
-    return TaskSpec(kind=task.kind, seed=seed, difficulty=task.difficulty, operations=task.operations,
-                    count=task.count, max_number=task.max_number, max_target=task.max_target, carries=task.carries)
-
-
 def sft_problems(task: TaskSection, sft: SFTSection, held_out: Set[str]) -> list[Problem]:
     """The warm-start demonstrations: `sft.train_size` easier arithmetic problems (spec seed task.seed + 1) and
     `sft.task_examples` problems of the RL task (seed task.seed + 2), minus any whose question is in `held_out`.
@@ -64,11 +59,10 @@ def sft_problems(task: TaskSection, sft: SFTSection, held_out: Set[str]) -> list
     Raises:
       ValueError: every demonstration is a held-out problem (names config.sft).
     """
-    easy = TaskSpec(kind="arithmetic", seed=task.seed + 1, difficulty=sft.difficulty, operations=sft.operations,
-                    carries=sft.carries)
+    easy = sft.spec(task.seed + 1)
     problems = [generate_problem(easy, i) for i in range(sft.train_size)]
     if sft.task_examples:
-        hard = _task_spec(task, task.seed + 2)
+        hard = task.spec(task.seed + 2)
         problems += [generate_problem(hard, i) for i in range(sft.task_examples)]
     kept = [p for p in problems if p.question not in held_out]
     if not kept:
@@ -90,7 +84,7 @@ def build_tasks(task: TaskSection, sft: SFTSection, data_dir: Path) -> Tasks:
     if task.kind == "jsonl":
         builder = JsonlTasks({"train": task.jsonl_train, "eval": task.jsonl_eval}, data_dir=data_dir)
     else:
-        builder = GeneratedTasks(_task_spec(task, task.seed), {"train": task.train_size, "eval": task.eval_size},
+        builder = GeneratedTasks(task.spec(), {"train": task.train_size, "eval": task.eval_size},
                                  data_dir=data_dir)
     train = data_source(builder, "train")
     eval_source = data_source(builder, "eval")

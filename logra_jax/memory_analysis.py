@@ -121,7 +121,6 @@ def build_rl_step(config: ModelConfig, optimizer: OptimizerSection, data_paralle
     plan = built["plan"]
     loss_fn = make_policy_loss_fn(LossConfig(policy="reinforce", tis_cap=2.0), prompt_len, chunk=logprob_chunk)
     step = make_train_step(built["graphdef"], loss_fn, plan.tx, mode=plan.mode, trainable=plan.trainable,
-                           targets=plan.targets, spec=plan.spec, round_bf16=plan.round_bf16,
                            kl_probe=plan.kl_probe, return_updates=return_updates)
     batch = rl_batch_shapes(rows_per_device * data_parallel, prompt_len, seq_len - prompt_len)
     if plan.kl_probe is None:

@@ -19,8 +19,8 @@ import jax
 import optax
 from flax import nnx
 
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
-from logra_jax.optim import logra
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, resolve_round_bf16, target_labels
 from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets
@@ -57,14 +57,14 @@ def _targets_and_rest(target_tx: optax.GradientTransformation, other_tx: optax.G
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerPlan:
-    """tx plus how the train step must run it (see logra_jax.train_step.make_train_step)."""
+    """tx plus how the train step must run it (see logra_jax.train_step.make_train_step); targets: LoGRA's
+    targets by path (what policy sync ships as low-rank factors), None for the dense optimizers. The sketch
+    settings are not repeated here: they live in tx's SketchSpec (`logra_jax.optim.sketch_spec` of its state)."""
 
     tx: optax.GradientTransformation
     mode: str = "dense"
     trainable: Trainable | None = None
     targets: dict[str, Target] | None = None
-    spec: SketchSpec | None = None
-    round_bf16: bool = False
     kl_probe: KLProbeConfig | None = None
 
     def dense_paths(self, params: Any) -> list[str]:
@@ -109,29 +109,27 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
         galore = optax.chain(galore, optax.add_decayed_weights(cfg.weight_decay), optax.scale(-cfg.learning_rate))
         return OptimizerPlan(_targets_and_rest(galore, optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)))
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
-    round_bf16 = resolve_round_bf16(cfg.round_bf16, cfg.variant)
+    # The one declaration of the sketch settings: logra and the model's sketch probes take this same object.
+    spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
+                      rules=DEFAULT_TARGET_RULES, round_bf16=resolve_round_bf16(cfg.round_bf16, cfg.variant),
+                      implementation=cfg.implementation, interpret=cfg.interpret)
     kl = None
     if cfg.kl_control:
         kl = dict(kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,
                   schedule_steps=cfg.kl_schedule_steps, alpha_max=cfg.alpha_max,
                   subtract_mismatch=cfg.subtract_mismatch)
-    tx = logra(cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
-               variant=cfg.variant, b2=cfg.b2, eps=cfg.eps,
+    tx = logra(spec=spec, variant=cfg.variant, b2=cfg.b2, eps=cfg.eps,
                update_ratio=cfg.update_ratio, ratio_scope=cfg.ratio_scope,
                lr=cfg.learning_rate if cfg.variant == "nemo" else None,
                weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,
-               non_target_tx=non_target_tx, round_bf16=round_bf16, kl_control=kl,
-               implementation=cfg.implementation, interpret=cfg.interpret)
+               non_target_tx=non_target_tx, kl_control=kl)
     frozen = cfg.non_targets == "frozen"
     if cfg.sketch_native:  # trainable = the non-targets trained densely
         trainable = None if frozen else (lambda path, v: not is_target(path, v))
     else:  # trainable = everything that gets a dense gradient
         trainable = is_target if frozen else None
-    spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
-                      implementation=cfg.implementation, interpret=cfg.interpret)
     if cfg.sketch_native or cfg.kl_control:
         attach_sketch_probes(model, spec)
+    kl_probe = KLProbeConfig(temperature=temperature, undo_above=cfg.kl_undo_above) if cfg.kl_control else None
     return OptimizerPlan(tx, mode="sketch_native" if cfg.sketch_native else "dense", trainable=trainable,
-                         targets=targets, spec=spec, round_bf16=round_bf16,
-                         kl_probe=KLProbeConfig(temperature=temperature, undo_above=cfg.kl_undo_above)
-                         if cfg.kl_control else None)
+                         targets=targets, kl_probe=kl_probe)

@@ -2,7 +2,9 @@
 
 configs/*.py return ConfigDicts (the user edge); `RunConfig.from_dict` turns one into these dataclasses and
 raises ValueError naming the field ("optimizer.rank") and the value on anything unknown, mistyped or out of
-range, before any work starts. Library code below train.py only sees the dataclasses.
+range, before any work starts. Library code below train.py only sees the dataclasses; the sections translate
+themselves into the library's own settings (`rollout.sampling`, `algorithm.loss`, `algorithm.estimator_options`,
+`train.mesh`, `task.spec`, `sft.spec`; the optimizer's in logra_jax.optimizers).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import Any
 from logra_jax.kernels.backend import IMPLEMENTATIONS
 from logra_jax.optim.projection import DISTRIBUTIONS
 from logra_jax.optim.row_adam import VARIANTS as ROW_ADAM_VARIANTS
+from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.update_ratio import SCOPES
 from logra_jax.rl.advantages import ESTIMATORS, WHITENINGS
-from logra_jax.rl.losses import AGGREGATIONS, POLICIES
+from logra_jax.rl.losses import AGGREGATIONS, POLICIES, LossConfig
 from logra_jax.rl.prompts import PROMPT_STYLES
-from logra_jax.rl.tasks import TaskSpec
+from logra_jax.rl.sampler import SamplingConfig
+from logra_jax.rl.tasks import GENERATED_KINDS, TaskSpec
+from logra_jax.sharding import MeshConfig
 
 
 def _fail(field: str, value: Any, why: str) -> None:
@@ -44,14 +49,21 @@ def _check_range(section: str, name: str, value: float, lo: float | None = None,
         _fail(f"{section}.{name}", value, f"must be {'<' if hi_open else '<='} {hi}")
 
 
-def _check_task_spec(section: str, **fields: Any) -> None:
-    """Validate generated-task fields with rl.tasks.TaskSpec's own rules, reported as config.<section>.<field>."""
+def _task_spec(section: str, **fields: Any) -> TaskSpec:
+    """rl.tasks.TaskSpec(**fields), its ValueError reported as config.<section>.<field>."""
     try:
-        TaskSpec(**fields)
+        return TaskSpec(**fields)
     except ValueError as e:
         field = re.match(r"TaskSpec\.(\w+)", str(e))
         name = field.group(1) if field else "kind"
         _fail(f"{section}.{name}", fields.get(name), str(e))
+
+
+# The sketch settings' defaults are optim.SketchSpec's (OptimizerSection's rank, 64, is the runs' own default).
+_SKETCH_SPEC = SketchSpec()
+# The generator's settings and their defaults are rl.tasks.TaskSpec's: TaskSection takes them from it.
+_TASK_SPEC = TaskSpec()
+_GENERATOR_FIELDS = tuple(f.name for f in dataclasses.fields(TaskSpec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,30 +93,39 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-    """The RL task: kind "arithmetic" | "countdown" | "jsonl" with the generator's settings (for additions,
-    `carries`: "any" | "none" | "some", see rl.tasks.TaskSpec), sizes of the train and held-out splits, JSONL
-    paths for kind "jsonl", and the prompt style ("plain", "chat", or "compact": arithmetic as "12+7=" → "19")."""
+    """The RL task: kind "arithmetic" | "countdown" (generated: rl.tasks.TaskSpec's fields, with its defaults;
+    for additions `carries`: "any" | "none" | "some") or "jsonl" (JSONL paths), sizes of the train and held-out
+    splits, and the prompt style ("plain", "chat", or "compact": arithmetic as "12+7=" → "19")."""
 
-    kind: str = "arithmetic"
-    difficulty: int = 2
-    operations: str = "+"
-    count: int = 3
-    max_number: int = 20
-    max_target: int = 100
+    kind: str = _TASK_SPEC.kind
+    difficulty: int = _TASK_SPEC.difficulty
+    operations: str = _TASK_SPEC.operations
+    count: int = _TASK_SPEC.count
+    max_number: int = _TASK_SPEC.max_number
+    max_target: int = _TASK_SPEC.max_target
     train_size: int = 4096
     eval_size: int = 128
     jsonl_train: str = ""
     jsonl_eval: str = ""
-    seed: int = 0
+    seed: int = _TASK_SPEC.seed
     prompt_style: str = "plain"
-    carries: str = "any"
+    carries: str = _TASK_SPEC.carries
+
+    def spec(self, seed: int | None = None) -> TaskSpec:
+        """The generator of a generated task (kind "arithmetic" | "countdown") with `seed` (None: task.seed).
+
+        Raises:
+          ValueError: kind "jsonl", or a setting TaskSpec rejects (names config.task.<field>).
+        """
+        if self.kind == "jsonl":
+            raise ValueError("config.task.kind = 'jsonl': a JSONL task has no generator spec")
+        fields = {name: getattr(self, name) for name in _GENERATOR_FIELDS}
+        return _task_spec("task", **{**fields, "seed": self.seed if seed is None else seed})
 
     def validate(self) -> None:
-        _check_choice("task", "kind", self.kind, ("arithmetic", "countdown", "jsonl"))
+        _check_choice("task", "kind", self.kind, (*GENERATED_KINDS, "jsonl"))
         if self.kind != "jsonl":
-            _check_task_spec("task", kind=self.kind, seed=self.seed, difficulty=self.difficulty,
-                             operations=self.operations, count=self.count, max_number=self.max_number,
-                             max_target=self.max_target, carries=self.carries)
+            self.spec()
         _check_choice("task", "prompt_style", self.prompt_style, PROMPT_STYLES)
         if self.prompt_style == "compact" and self.kind != "arithmetic":
             _fail("task.prompt_style", self.prompt_style, "'compact' prompts exist for kind='arithmetic' only")
@@ -133,12 +154,20 @@ class SFTSection:
     task_examples: int = 0
     cache_dir: str = ""
 
+    def spec(self, seed: int) -> TaskSpec:
+        """The generator of the easier demonstrations (additions etc. of `difficulty`) with `seed`.
+
+        Raises:
+          ValueError: a setting TaskSpec rejects (names config.sft.<field>).
+        """
+        return _task_spec("sft", kind="arithmetic", seed=seed, difficulty=self.difficulty,
+                          operations=self.operations, carries=self.carries)
+
     def validate(self) -> None:
         _check_range("sft", "steps", self.steps, 0)
         _check_range("sft", "batch_size", self.batch_size, 1)
         _check_range("sft", "learning_rate", self.learning_rate, 0.0, lo_open=True)
-        _check_task_spec("sft", kind="arithmetic", difficulty=self.difficulty, operations=self.operations,
-                         carries=self.carries)
+        self.spec(0)
         _check_range("sft", "train_size", self.train_size, 1)
         _check_range("sft", "task_examples", self.task_examples, 0)
 
@@ -155,6 +184,16 @@ class RolloutSection:
     top_k: int = 0
     top_p: float = 1.0
     workers: int = 0
+
+    def sampling(self, eos_id: int, pad_id: int, *, greedy: bool = False) -> SamplingConfig:
+        """The sampler's settings for a tokenizer's eos/pad ids; greedy: one temperature-0 response per prompt
+        (evaluation)."""
+        if greedy:
+            return SamplingConfig(max_new_tokens=self.max_new_tokens, eos_id=eos_id, pad_id=pad_id, num_samples=1,
+                                  temperature=0.0)
+        return SamplingConfig(max_new_tokens=self.max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                              num_samples=self.num_samples, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p)
 
     def validate(self) -> None:
         _check_range("rollout", "prompts_per_step", self.prompts_per_step, 1)
@@ -181,6 +220,17 @@ class AlgorithmSection:
     tis_cap: float = 2.0
     aggregation: str = "token_mean"
     kl_beta: float = 0.0
+
+    def loss(self, max_len: int) -> LossConfig:
+        """The policy loss settings (tis_cap 0 = off); max_len: the response budget T_max."""
+        return LossConfig(policy=self.policy, eps_low=self.eps_low, eps_high=self.eps_high,
+                          tis_cap=self.tis_cap or None, kl_beta=self.kl_beta, aggregation=self.aggregation,
+                          max_len=max_len)
+
+    def estimator_options(self) -> dict[str, Any]:
+        """Keyword options of `rl.advantages.advantage_estimator` for this estimator."""
+        return {"reinforce": {"momentum": self.baseline_momentum},
+                "reinforce++": {"whiten": self.whiten}}.get(self.estimator, {})
     reward_correct: float = 1.0
     reward_incorrect: float = -0.01
     format_weight: float = 0.0
@@ -225,9 +275,9 @@ class OptimizerSection:
     variant: str = "paper"
     update_ratio: float = 6e-5
     ratio_scope: str = "global"
-    refresh: bool = True
-    distribution: str = "rademacher"
-    base_seed: int = 42
+    refresh: bool = _SKETCH_SPEC.refresh
+    distribution: str = _SKETCH_SPEC.distribution
+    base_seed: int = _SKETCH_SPEC.base_seed
     b2: float = 0.95
     eps: float = 1e-8
     round_bf16: bool | None = None
@@ -241,8 +291,8 @@ class OptimizerSection:
     subtract_mismatch: bool = False
     probe_responses: int = 2
     kl_undo_above: float = 0.0
-    implementation: str = "xla"
-    interpret: bool = False
+    implementation: str = _SKETCH_SPEC.implementation
+    interpret: bool = _SKETCH_SPEC.interpret
 
     def validate(self) -> None:
         _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore", "adafactor", "row_adam"))
@@ -291,6 +341,10 @@ class TrainSection:
     mesh_data: int = 1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
+
+    def mesh(self) -> MeshConfig:
+        """The (data, fsdp, tensor) mesh shape."""
+        return MeshConfig(self.mesh_data, self.mesh_fsdp, self.mesh_tensor)
     resume_step: int = -1
     resume_fallback: bool = False
 

@@ -53,7 +53,6 @@ from logra_jax.lifecycle import (
 from logra_jax.optimizers import build_optimizer, check_optimizer_fits
 from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
 from logra_jax.rl.evaluation import greedy_accuracy
-from logra_jax.rl.losses import LossConfig
 from logra_jax.rl.objective import (
     make_policy_loss_fn,
     probe_batch_shapes,
@@ -63,11 +62,10 @@ from logra_jax.rl.objective import (
 )
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
-from logra_jax.rl.sampler import Sampler, SamplingConfig
+from logra_jax.rl.sampler import Sampler
 from logra_jax.run_config import RunConfig
 from logra_jax.sft import cached_warm_start, supervised_warm_start
 from logra_jax.sharding import (
-    MeshConfig,
     abstract_sharded,
     batch_shardings,
     global_rows,
@@ -270,12 +268,8 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         tasks = build_tasks(run.task, run.sft, workdir / "data")
     prompt_len = max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems],
                                    tokenizer, fmt)
-    rollout_cfg = SamplingConfig(max_new_tokens=run.rollout.max_new_tokens, eos_id=tokenizer.eos_id,
-                                 pad_id=tokenizer.pad_id, num_samples=run.rollout.num_samples,
-                                 temperature=run.rollout.temperature, top_k=run.rollout.top_k,
-                                 top_p=run.rollout.top_p)
-    greedy_cfg = SamplingConfig(max_new_tokens=run.rollout.max_new_tokens, eos_id=tokenizer.eos_id,
-                                pad_id=tokenizer.pad_id, num_samples=1, temperature=0.0)
+    rollout_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id)
+    greedy_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
 
     check_optimizer_fits(run.optimizer, model)
     writer = metrics_lib.MetricsWriter(workdir) if primary else metrics_lib.NullWriter()
@@ -311,23 +305,17 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     plan = build_optimizer(run.optimizer, model, temperature=run.rollout.temperature)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     _check_same_start(params, rest, run)
-    loss_cfg = LossConfig(policy=run.algorithm.policy, eps_low=run.algorithm.eps_low,
-                          eps_high=run.algorithm.eps_high, tis_cap=run.algorithm.tis_cap or None,
-                          kl_beta=run.algorithm.kl_beta, aggregation=run.algorithm.aggregation,
-                          max_len=run.rollout.max_new_tokens)
+    loss_cfg = run.algorithm.loss(run.rollout.max_new_tokens)
     loss_fn = make_policy_loss_fn(loss_cfg, prompt_len, temperature=run.rollout.temperature)
     train_step = make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode, microbatches=run.train.microbatches,
-                                 trainable=plan.trainable, targets=plan.targets, spec=plan.spec,
-                                 round_bf16=plan.round_bf16, kl_probe=plan.kl_probe, return_updates=True)
-    estimator_options = {"reinforce": {"momentum": run.algorithm.baseline_momentum},
-                         "reinforce++": {"whiten": run.algorithm.whiten}}.get(run.algorithm.estimator, {})
+                                 trainable=plan.trainable, kl_probe=plan.kl_probe, return_updates=True)
     estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
-                                    **estimator_options)
+                                    **run.algorithm.estimator_options())
     state = TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32))
 
     # Shard state and batches over the configured (data, fsdp, tensor) mesh (1×1×1 = one device); in a
     # multi-process run it spans every process's devices and each process holds its own shards.
-    mesh = make_mesh(MeshConfig(run.train.mesh_data, run.train.mesh_fsdp, run.train.mesh_tensor),
+    mesh = make_mesh(run.train.mesh(),
                      jax.devices()[:run.train.mesh_data * run.train.mesh_fsdp * run.train.mesh_tensor])
     state_sh = train_state_shardings(state, mesh)
     rest_sh = param_shardings(rest, mesh, sources=state.params)
@@ -432,8 +420,9 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         batch = jax.device_put(batch, batch_sh)
         probe = None if probe is None else jax.device_put(probe, probe_sh)
         state, out, updates = step_fn(state, rest, batch, probe)
-        report = sync.push(updates, state.params)
+        # Wait for the step (its metrics) before timing the sync, so that sync_time is the sync's own.
         out = {k: float(v) for k, v in jax.device_get(out).items()}
+        report = sync.push(updates, state.params)
         out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
         local_rewards = np.asarray(local_rewards, np.float64)
         sums = multihost.gather(np.array([

@@ -5,6 +5,8 @@ for the caller to jit (with shardings and donation, see logra_jax.sharding). Two
   - "dense": float32 gradients of the trainable parameters, accumulated over microbatches with `lax.scan`;
   - "sketch_native": target layers hand over S = Hᵀ(X Aᵀ) through their sketch probes (no dense target
     gradient); targets enter the optax chain as LowRankUpdate leaves, which `scale_by_sketch` passes through.
+    Which parameters are targets and how their updates are drawn and merged is the optimizer's SketchSpec, read
+    from its state (`logra_jax.optim.sketch_spec`), not given to the step again.
 Under GSPMD a batch sharded over the data axes gives the data-parallel mean without explicit collectives.
 With a `KLProbeConfig`, the step builds the predicted-KL probe on `probe` (a few responses) for
 `scale_by_predicted_kl` and measures the realised KL on the same responses after the update; a step the
@@ -24,20 +26,20 @@ import optax
 from flax import nnx
 
 from logra_jax.native.kl_probe import make_kl_probe, realised_kl
-from logra_jax.native.sketch_probes import SketchProbe, SketchSpec, sketching
+from logra_jax.native.sketch_probes import SketchProbe, check_probes_match, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
 from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where
-from logra_jax.optim.targets import Target
+from logra_jax.optim.spec import sketch_spec
+from logra_jax.optim.targets import find_targets
 from logra_jax.rl.losses import LOSS_DENOMINATOR
 from logra_jax.tree_paths import path_str
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mapping[str, jax.Array]]]
 Trainable = Callable[[tuple, Any], bool]
 
-# Fields of the optimizer state reported as metrics when present (scale_by_predicted_kl's state).
-_KL_STATE_METRICS = {"q": "kl_q", "alpha": "kl_alpha", "budget": "kl_budget", "skipped": "kl_skipped",
-                     "mismatch": "kl_mismatch"}
+# Fields of the optimizer state reported as metrics of the same name when present (scale_by_predicted_kl's).
+_KL_STATE_METRICS = ("kl_q", "kl_alpha", "kl_budget", "kl_skipped", "kl_mismatch")
 
 
 class TrainState(NamedTuple):
@@ -127,9 +129,8 @@ def _flat(state: Any) -> dict[str, jax.Array]:
 
 def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *,
                     mode: Literal["dense", "sketch_native"] = "dense", microbatches: int = 1,
-                    trainable: Trainable | None = None, targets: Mapping[str, Target] | None = None,
-                    spec: SketchSpec | None = None, round_bf16: bool = False,
-                    kl_probe: KLProbeConfig | None = None, return_updates: bool = False):
+                    trainable: Trainable | None = None, kl_probe: KLProbeConfig | None = None,
+                    return_updates: bool = False):
     """Build the train step.
 
     Args:
@@ -138,12 +139,13 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       loss_fn: (model, microbatch) -> (scalar loss, aux metrics).
       tx: any optax transformation over the parameter state (apply with logra_jax.optim.apply_updates, which
         also merges low-rank updates).
-      mode: "dense" (dense gradients of the trainable params) or "sketch_native" (sketches for targets).
+      mode: "dense" (dense gradients of the trainable params) or "sketch_native" (sketches for targets; tx must
+        sketch: its SketchSpec, read from the optimizer state at trace time (`logra_jax.optim.sketch_spec`),
+        says which parameters are targets and how their LowRankUpdates are drawn and merged; the model's probes
+        must have been attached with the same spec).
       microbatches: gradient-accumulation slices of the batch.
       trainable: nnx filter predicate (path, variable) -> bool. Dense mode: the params that get gradients (None =
         all; the rest get zero updates). Sketch-native mode: the non-target params trained densely (None = none).
-      targets, spec, round_bf16: for mode "sketch_native": the targets and SketchSpec from
-        `attach_sketch_probes`, and the round_bf16 flag of tx's scale_by_sketch.
       kl_probe: probe the predicted KL of each update (tx must contain scale_by_predicted_kl); the step then
         takes `probe={'tokens', 'attention_mask', 'kl_mask'}` and reports the realised KL.
       return_updates: also return the merged update tree for policy sync: LowRankUpdate leaves for targets, dense
@@ -154,12 +156,10 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
       [, updates].
 
     Raises:
-      ValueError: an unknown mode, or sketch-native mode without targets and spec.
+      ValueError: an unknown mode; at trace time, sketch-native mode with an optimizer that does not sketch.
     """
     if mode not in ("dense", "sketch_native"):
         raise ValueError(f"make_train_step: mode must be 'dense' or 'sketch_native', got {mode!r}")
-    if mode == "sketch_native" and (targets is None or spec is None):
-        raise ValueError("make_train_step: mode='sketch_native' needs the targets and spec of attach_sketch_probes")
 
     def dense_grads(state: TrainState, rest: nnx.State, batch):
         params = state.params
@@ -179,6 +179,12 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
 
     def sketch_grads(state: TrainState, rest: nnx.State, batch):
         params = state.params
+        spec = sketch_spec(state.opt_state)
+        if spec is None:
+            raise ValueError("make_train_step: mode='sketch_native' needs an optimizer that sketches (logra or "
+                             "scale_by_sketch); its state holds no SketchSpec")
+        targets = find_targets(params, spec.rules)
+        check_probes_match(nnx.merge(graphdef, params, rest), spec)  # trace time only: no arrays are computed
         probes, others = nnx.split_state(rest, SketchProbe, ...)
         train, frozen = (None, params) if trainable is None else nnx.split_state(params, trainable, ...)
 
@@ -201,8 +207,7 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             path = path_str(keypath)
             if path in targets:
                 return LowRankUpdate(sketches[path.rsplit(".", 1)[0] + ".sketch_probe"], state.step,
-                                     target=targets[path], base_seed=spec.base_seed, rank=spec.rank,
-                                     distribution=spec.distribution, refresh=spec.refresh, round_bf16=round_bf16)
+                                     target=targets[path], spec=spec)
             return dense[path] if path in dense else jnp.zeros_like(p)
 
         return loss, jax.tree_util.tree_map_with_path(update_leaf, params), {**aux, **metrics}
@@ -236,8 +241,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
         metrics = {"loss": loss, **metrics}
         if refused is not None:
             metrics["kl_refused"] = refused.astype(jnp.float32)
-        for field, name in _KL_STATE_METRICS.items():
-            value = optax.tree_utils.tree_get(opt_state, field)
+        for name in _KL_STATE_METRICS:
+            value = optax.tree_utils.tree_get(opt_state, name)
             if value is not None:
                 metrics[name] = value
         if "kl_q" in metrics:  # the predicted KL of the step actually applied: α²q

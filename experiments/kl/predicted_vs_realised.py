@@ -27,8 +27,9 @@ from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.models.smollm2 import smollm2_gguf_path
 from logra_jax.native.kl_probe import predicted_and_realised_kl
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
-from logra_jax.optim import logra
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import SketchSpec, logra
+from logra_jax.optim.lowrank_scale import scale_updates
 from logra_jax.train_step import next_token_loss
 
 HERE = Path(__file__).parent
@@ -54,7 +55,7 @@ def kl_table(model, tokens: np.ndarray, rank: int, ratios=RATIOS) -> list[dict[s
         updates, _ = tx.update(grads, tx.init(params), params)
         q, kl = (float(x) for x in measure(params, updates))
         alpha = (BUDGET / q) ** 0.5
-        scaled = jax.tree.map(lambda x, a=alpha: x * a if x.dtype == jnp.float32 else x, updates)
+        scaled = scale_updates(updates, alpha)
         q_c, kl_c = (float(x) for x in measure(params, scaled))
         rows.append({"ratio": ratio, "predicted": q, "realised": kl, "relative_error": kl / q - 1,
                      "alpha": alpha, "controlled_predicted": q_c, "controlled_realised": kl_c,

@@ -41,8 +41,8 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
-from logra_jax.optim import NON_TARGET_LABEL, TARGET_LABEL, find_targets, logra, target_labels
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import NON_TARGET_LABEL, TARGET_LABEL, SketchSpec, find_targets, logra, target_labels
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +80,7 @@ def build_step(name: str, config: Any, rank: int) -> tuple[Callable, TrainState,
         targets = attach_sketch_probes(model, spec)
         tx = logra(rank=rank)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native", targets=targets, spec=spec,
-                               round_bf16=True)
+        step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native")
     else:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         trainable = None

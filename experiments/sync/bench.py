@@ -37,6 +37,7 @@ from flax import nnx
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model, init_model
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
+from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import find_targets
 from logra_jax.rl.sampler import SamplingConfig
 from logra_jax.transport.rollout_worker import InProcessTransport, WorkerProcessTransport
@@ -60,8 +61,8 @@ def computed_sizes(model: str, rank: int) -> dict[str, Any]:
     targets = find_targets(params)
     fingerprint = {p: 2**32 - 1 for p in params}  # the widest JSON number: an upper bound
     factors = {p: TargetFactor(factor=_zeros((*t.batch_shape, *t.rows_shape, rank), jnp.bfloat16), decay=None,
-                               step=10**6, base_seed=42, rank=rank, distribution="rademacher", refresh=True,
-                               round_bf16=True, shape=t.shape, rows=t.dims.rows, width=t.dims.width)
+                               step=10**6, spec=SketchSpec(rank=rank, base_seed=42, round_bf16=True), shape=t.shape,
+                               rows=t.dims.rows, width=t.dims.width)
                for p, t in targets.items()}
     delta = SyncPayload("delta", 10**6, 10**6 - 1, factors, {}, {}, fingerprint, "0" * 64)
     snapshot = SyncPayload("snapshot", 10**6, None, {}, {}, {p: _zeros(a.shape, a.dtype) for p, a in params.items()},
@@ -106,7 +107,7 @@ def measure(rank: int, repeats: int) -> list[dict[str, Any]]:
                 return None
             t = targets[path]
             factor = 1e-4 * jax.random.normal(keys[path], (*t.batch_shape, *t.rows_shape, rank))
-            return LowRankUpdate(factor, step, target=t, base_seed=42, rank=rank, round_bf16=True)
+            return LowRankUpdate(factor, step, target=t, spec=SketchSpec(rank=rank, base_seed=42, round_bf16=True))
 
         updates = jax.tree_util.tree_map_with_path(leaf, params)
         return apply_updates(params, updates), updates

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from logra_jax.kernels.backend import Implementation, check_implementation, check_interpret
 from logra_jax.kernels.project import sketched_linear
 from logra_jax.models.layers import Linear
 from logra_jax.optim.projection import digest_words, key_from_digest, projection
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, TargetRule, check_rank_fits, find_targets
+from logra_jax.optim.spec import SketchSpec
+from logra_jax.optim.targets import Target, check_rank_fits, find_targets
 
 
 class SketchProbe(nnx.Variable):
@@ -41,32 +41,6 @@ class SketchProbe(nnx.Variable):
 
 class SketchDigest(nnx.Variable):
     """uint32 [*batch, 2]: (hi, lo) words of the BLAKE2b digest of each slice's canonical parameter path."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SketchSpec:
-    """How target layers sketch: rank r, projection seed base and distribution, refresh every step, and which
-    `kernels.sketched_linear` implementation runs the layer ("xla", or "pallas" with `interpret=True` on CPU).
-
-    Example:
-      >>> SketchSpec(rank=8, implementation="pallas", interpret=True).implementation
-      'pallas'
-    """
-
-    rank: int
-    base_seed: int = 42
-    distribution: Literal["rademacher", "gaussian"] = "rademacher"
-    refresh: bool = True
-    implementation: Implementation = "xla"
-    interpret: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank <= 0:
-            raise ValueError(f"SketchSpec.rank must be a positive integer, got {self.rank!r}")
-        if self.distribution not in ("rademacher", "gaussian"):
-            raise ValueError(f"SketchSpec.distribution must be 'rademacher' or 'gaussian', got {self.distribution!r}")
-        check_implementation(self.implementation, "SketchSpec.implementation")
-        check_interpret(self.interpret, "SketchSpec")
 
 
 class _Mode(NamedTuple):
@@ -120,14 +94,14 @@ def _module_at(model: nnx.Module, path: str) -> nnx.Module:
     return node
 
 
-def attach_sketch_probes(model: nnx.Module, spec: SketchSpec,
-                         rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES) -> dict[str, Target]:
+def attach_sketch_probes(model: nnx.Module, spec: SketchSpec) -> dict[str, Target]:
     """Install sketch probes, digests and hooks on every target Linear of `model` (in place).
 
     Args:
       model: an NNX model whose target weights are `Linear.kernel`s in Flax layout [*batch, k, d].
-      spec: rank, seed base, distribution and refresh of the projections.
-      rules: which parameters are targets (logra_jax.optim.targets).
+      spec: the SketchSpec (logra_jax.optim.spec): rank, seed base, distribution and refresh of the projections,
+        the target rules, and the `kernels.sketched_linear` implementation. Give the optimizer the same one
+        (`logra(spec=spec)`): the train step reads it from the optimizer state.
 
     Returns:
       The targets found, by canonical path ("blocks.attn.q_proj.kernel").
@@ -137,7 +111,9 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec,
         the kernel of a Linear with rows on the last axis and the width on the one before (sketch-native mode
         needs the layer to own its matmul).
     """
-    targets = find_targets(nnx.state(model, nnx.Param), rules)
+    if not isinstance(spec, SketchSpec):
+        raise TypeError(f"attach_sketch_probes: spec must be a logra_jax.optim.SketchSpec, got {spec!r}")
+    targets = find_targets(nnx.state(model, nnx.Param), spec.rules)
     check_rank_fits(targets, spec.rank)
     for path, target in targets.items():
         owner, _, leaf = path.rpartition(".")
@@ -159,3 +135,16 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec,
         module.sketch_digest = SketchDigest(jnp.asarray(words, jnp.uint32), axes=(*batch_axes, None))
         module.lowrank_hook = LowRankHook(spec)
     return targets
+
+
+def check_probes_match(model: nnx.Module, spec: SketchSpec) -> None:
+    """Raise ValueError unless every sketch probe hook of `model` draws its projections like `spec` (rank, base
+    seed, distribution, refresh): the optimizer's spec, which builds the step's LowRankUpdates, and the hooks,
+    which sketched the gradient, must draw the same A."""
+    draw = lambda s: (s.rank, s.base_seed, s.distribution, s.refresh)
+    for path, module in nnx.iter_modules(model):
+        hook = getattr(module, "lowrank_hook", None)
+        if hook is not None and draw(hook.spec) != draw(spec):
+            raise ValueError(f"the sketch probes of {'.'.join(map(str, path))} were attached with {hook.spec}, the "
+                             f"optimizer sketches with {spec}: attach them with the optimizer's spec "
+                             "(attach_sketch_probes(model, spec); logra(spec=spec))")

@@ -1,6 +1,6 @@
 """LoGRA as composable optax transformations (dense-gradient mode; LOGRA.md §1–§4).
 
-  tx = logra(rank=256)                                  # or chain the pieces yourself
+  tx = logra(rank=256)                                  # or logra(spec=SketchSpec(...)), or chain the pieces
   updates, state = tx.update(grads, state, params)
   params = apply_updates(params, updates)               # merges W ← W − U·A layer by layer
 
@@ -31,6 +31,7 @@ from logra_jax.optim.predicted_kl import PredictedKLState, kl_budget_schedule, s
 from logra_jax.optim.projection import DISTRIBUTIONS, projection, slice_projections, target_projection
 from logra_jax.optim.row_adam import VARIANTS, RowAdamState, row_adam_direction, scale_by_row_adam
 from logra_jax.optim.sketch import SketchState, scale_by_sketch
+from logra_jax.optim.spec import SketchSpec, sketch_spec
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
     MatrixDims,
@@ -55,6 +56,7 @@ __all__ = [
     "MatrixDims",
     "PredictedKLState",
     "RowAdamState",
+    "SketchSpec",
     "SketchState",
     "Target",
     "TargetRule",
@@ -79,6 +81,7 @@ __all__ = [
     "scale_by_sketch",
     "scale_by_update_ratio",
     "scale_lowrank",
+    "sketch_spec",
     "slice_projections",
     "target_labels",
     "target_projection",

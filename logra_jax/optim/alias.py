@@ -1,8 +1,11 @@
 """logra(...): the LoGRA optimizer as one optax GradientTransformation (LOGRA.md §1–§4).
 
-  targets:      chain(scale_by_sketch, scale_by_row_adam, <step size>, [scale_by_predicted_kl], negation)
-                  paper / sgd: <step size> = scale_by_update_ratio(update_ratio), negation = scale_lowrank(−1)
-                  nemo:        add_decayed_weights_lowrank(weight_decay), scale_lowrank(−lr)
+  targets:      named_chain(("sketch", scale_by_sketch), ("row_adam", scale_by_row_adam), <step size>,
+                            [("predicted_kl", scale_by_predicted_kl)], <negation>)
+                  paper / sgd: ("update_ratio", scale_by_update_ratio(update_ratio)), ("negation", scale_lowrank(−1))
+                  nemo:        ("weight_decay", add_decayed_weights_lowrank(weight_decay)),
+                               ("learning_rate", scale_lowrank(−lr))
+                the stages are addressable by name: optax.tree_utils.tree_get(state, "row_adam").row_moment
   non-targets:  non_target_tx (default optax.set_to_zero(): frozen, the paper's recipe)
 routed by optax.partition with labels "logra" / "non_target" from the target rules. Updates of targets are
 LowRankUpdate leaves: merge them with `logra_jax.optim.apply_updates`, not optax.apply_updates — or build
@@ -25,7 +28,8 @@ raises TypeError with the same advice), and `W + u` raises TypeError saying whic
 Keyword extra args given to `update` reach every transform in the chain: with `kl_control`, the predicted-KL
 step control (LOGRA.md §5) sits just before the negation and takes `kl_probe=` / `kl_prediction=`.
 `implementation="pallas"` runs RowAdam's row moment and the merge through the Pallas kernels of logra_jax.kernels
-(pair it with `SketchSpec(implementation="pallas")` in sketch-native mode); "xla" is the default everywhere.
+(in sketch-native mode build the SketchSpec once and give it to both `attach_sketch_probes` and `logra(spec=...)`);
+"xla" is the default everywhere.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from logra_jax.optim.predicted_kl import scale_by_predicted_kl
 from logra_jax.optim.projection import Distribution
 from logra_jax.optim.row_adam import Variant, scale_by_row_adam
 from logra_jax.optim.sketch import scale_by_sketch
+from logra_jax.optim.spec import SketchSpec, build_spec
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules, match_target
 from logra_jax.optim.update_ratio import scale_by_update_ratio
 from logra_jax.tree_paths import path_keys
@@ -178,16 +183,17 @@ def target_labels(tree: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES)
     return jax.tree_util.tree_map_with_path(label, tree, is_leaf=is_lowrank)
 
 
-def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = "rademacher", refresh: bool = True,
+def logra(rank: int | None = None, *, base_seed: int | None = None, distribution: Distribution | None = None,
+          refresh: bool | None = None,
           variant: Variant = "paper", b2: float = 0.95, eps: float = 1e-8, update_ratio: float = 6e-5,
           ratio_scope: str = "global",
           lr: float | optax.Schedule | None = None, weight_decay: float = 0.0,
-          rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES,
+          rules: Sequence[TargetRule] | None = None,
           non_target_tx: optax.GradientTransformation | None = None,
           round_bf16: bool | None = None,
           kl_control: Mapping[str, Any] | None = None,
-          implementation: Implementation = "xla", interpret: bool = False,
-          dense_updates: bool = False) -> optax.GradientTransformationExtraArgs:
+          implementation: Implementation | None = None, interpret: bool | None = None,
+          dense_updates: bool = False, spec: SketchSpec | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
     Per target layer l (LOGRA.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
@@ -209,11 +215,17 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
     static_args=("rank", "base_seed"))(rank=16, update_ratio=1e-3)`; update_ratio (and b2, eps, lr,
     weight_decay) then live in `state.hyperparams` and may change between steps without recompiling.
 
+    The sketch settings (rank, base_seed, distribution, refresh, rules, round_bf16, implementation, interpret)
+    become one SketchSpec, carried by every LowRankUpdate and (static) by the state, where the train step reads
+    it (`logra_jax.optim.sketch_spec`); each left None takes SketchSpec's default (declared there only), except
+    round_bf16 (the variant's convention). A SketchSpec built once may be given instead (`spec=`, e.g. the one
+    the sketch-native probes were attached with), with those arguments left None.
+
     Args:
-      rank: sketch rank r (static).
-      base_seed: projection base seed (static).
-      distribution: "rademacher" or "gaussian".
-      refresh: fresh projections every step (True) or those of step 0 (False).
+      rank: sketch rank r (static; default 256, the paper's).
+      base_seed: projection base seed (static; default 42).
+      distribution: "rademacher" (default) or "gaussian".
+      refresh: fresh projections every step (True, default) or those of step 0 (False).
       variant: "paper", "nemo" or "sgd" (see scale_by_row_adam).
       b2: RowAdam β₂.
       eps: RowAdam ε (relative for paper, absolute for nemo).
@@ -222,18 +234,20 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
         update_ratio of its own norm; see scale_by_update_ratio).
       lr: learning rate or schedule (nemo variant only; required there).
       weight_decay: decoupled weight decay λ (nemo variant only).
-      rules: TargetRule sequence choosing the targets.
+      rules: TargetRule sequence choosing the targets (default DEFAULT_TARGET_RULES).
       non_target_tx: transformation for non-target parameters; None freezes them (optax.set_to_zero()).
       round_bf16: round the final factor to bf16 when merging; None (default): the variant's own convention,
         bf16 for paper and sgd (the paper's wire format), fp32 for nemo (NeMo merges the fp32 factor).
       kl_control: None, or keyword arguments of `scale_by_predicted_kl` ({} for its defaults) to scale each step
         to a predicted-KL budget; `update` then needs `kl_probe=fn(updates)` or `kl_prediction=(q_sum, count)`.
-      implementation: "xla" or "pallas": the kernels of RowAdam's row moment (`kernels.row_moment`) and of the
+      implementation: "xla" (default) or "pallas": the kernels of RowAdam's row moment (`kernels.row_moment`) and of the
         merge done by `apply_updates` (`kernels.merge`, carried on each LowRankUpdate).
       interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
       dense_updates: False (default): target updates are LowRankUpdate leaves for `logra_jax.optim.apply_updates`;
         True: dense float32 ΔW arrays (`densify_lowrank`) for optax.apply_updates / nnx.Optimizer, after which
         any optax transform may follow. The optimizer state is the same either way.
+      spec: the sketch settings as one SketchSpec (then leave the arguments above that it holds at their
+        defaults; round_bf16 None).
 
     Returns:
       An optax.GradientTransformationExtraArgs (an optax.partition, then densify_lowrank when dense_updates; extra
@@ -263,35 +277,36 @@ def logra(rank: int = 256, *, base_seed: int = 42, distribution: Distribution = 
       ...       == new["mlp"]["up_proj"]["kernel"]).all())
       True
     """
-    rules = check_rules(rules)
     if not isinstance(dense_updates, (bool, np.bool_)):
         raise TypeError(f"logra: dense_updates must be a bool, got {dense_updates!r}")
-    round_bf16 = resolve_round_bf16(round_bf16, variant)
+    spec = build_spec("scale_by_sketch", spec, rank=rank, base_seed=base_seed, distribution=distribution,
+                      refresh=refresh, rules=rules, implementation=implementation, interpret=interpret,
+                      round_bf16=resolve_round_bf16(round_bf16, variant) if spec is None else round_bf16)
     if variant == "nemo":
         if lr is None:
             raise ValueError("logra: variant='nemo' needs a learning rate lr")
-        step_size = [add_decayed_weights_lowrank(weight_decay)]
-        negation = scale_lowrank((lambda n: -lr(n)) if callable(lr) else -lr)
+        step_size = [("weight_decay", add_decayed_weights_lowrank(weight_decay))]
+        negation = ("learning_rate", scale_lowrank((lambda n: -lr(n)) if callable(lr) else -lr))
     else:
         if lr is not None:
             raise ValueError(f"logra: lr is only used by variant='nemo', got lr={lr!r} with variant={variant!r}")
         if isinstance(weight_decay, (int, float)) and weight_decay != 0:
             raise ValueError(f"logra: weight_decay is only used by variant='nemo', got {weight_decay!r} with "
                              f"variant={variant!r}")
-        step_size = [scale_by_update_ratio(update_ratio, scope=ratio_scope)]
-        negation = scale_lowrank(-1.0)
+        step_size = [("update_ratio", scale_by_update_ratio(update_ratio, scope=ratio_scope))]
+        negation = ("negation", scale_lowrank(-1.0))
     if kl_control is not None:
-        step_size.append(scale_by_predicted_kl(**kl_control))
-    target_tx = optax.chain(
-        scale_by_sketch(rank, base_seed, distribution, refresh, rules, round_bf16, implementation=implementation,
-                        interpret=interpret),
-        scale_by_row_adam(variant, b2, eps, rules, implementation=implementation, interpret=interpret),
+        step_size.append(("predicted_kl", scale_by_predicted_kl(**kl_control)))
+    target_tx = optax.named_chain(
+        ("sketch", scale_by_sketch(spec=spec)),
+        ("row_adam", scale_by_row_adam(variant, b2, eps, spec.rules, implementation=spec.implementation,
+                                       interpret=spec.interpret)),
         *step_size,
         negation,
     )
     frozen = optax.set_to_zero() if non_target_tx is None else non_target_tx
     routed = optax.partition({TARGET_LABEL: target_tx, NON_TARGET_LABEL: frozen},
-                             lambda tree: target_labels(tree, rules))
+                             lambda tree: target_labels(tree, spec.rules))
     if dense_updates:
         densify = densify_lowrank()
 

@@ -34,14 +34,8 @@ import optax
 
 from logra_jax.kernels.backend import Implementation, check_kernel_settings
 from logra_jax.kernels.merge import merge as merge_kernel
-from logra_jax.optim.projection import (
-    Distribution,
-    check_nonneg_int,
-    check_projection_args,
-    digest_words,
-    key_from_digest,
-    projection,
-)
+from logra_jax.optim.projection import digest_words, key_from_digest, projection
+from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import Target
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -58,18 +52,12 @@ LOWRANK_AWARE_ATTR = "logra_lowrank_aware"
 
 @dataclasses.dataclass(frozen=True)
 class LowRankMeta:
-    """Static description of a low-rank update: which target, how its projections are regenerated, and how it is
-    merged (bf16 rounding of the factor; `implementation` "xla" | "pallas" of the merge, `interpret` for Pallas on
-    CPU)."""
+    """Static description of a low-rank update: which target, and the SketchSpec its projections are regenerated
+    and it is merged by (rank, seed base, distribution, refresh, bf16 rounding of the factor, and `implementation`
+    "xla" | "pallas" of the merge with `interpret` for Pallas on CPU)."""
 
     target: Target
-    base_seed: int
-    rank: int
-    distribution: Distribution
-    refresh: bool
-    round_bf16: bool
-    implementation: Implementation = "xla"
-    interpret: bool = False
+    spec: SketchSpec
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -77,9 +65,9 @@ class LowRankUpdate:
     """Update of one target: dense equivalent ΔW = U·A (+ c·W), with U = `factor`, A from the seed triple.
 
     Children (traced): factor (*batch_shape, *rows_shape, r) float32; step int32 scalar (completed updates when
-    the sketch was taken); decay: None or a float32 scalar c. Static: `meta` (LowRankMeta: target, base_seed,
-    rank, distribution, refresh, round_bf16, implementation, interpret). The projection of batch slice i is drawn
-    for step `step if refresh else 0` and path "target.path.i" (just the path when the target has no batch axes).
+    the sketch was taken); decay: None or a float32 scalar c. Static: `meta` (LowRankMeta: the target and the
+    SketchSpec). The projection of batch slice i is drawn for step `step if spec.refresh else 0` and path
+    "target.path.i" (just the path when the target has no batch axes).
 
     Generic optax transforms treat every leaf as a float (they would rescale `step`, or fail on it) and never see
     ΔW: place them before `scale_by_sketch` / `logra` (on the dense gradient). After it, use the low-rank-aware
@@ -90,39 +78,40 @@ class LowRankUpdate:
     (optax.apply_updates) raises TypeError; each error says this.
 
     Raises:
-      TypeError/ValueError: a bad target, rank, distribution, base_seed or implementation, or a factor of the
+      TypeError/ValueError: a target that is not a Target, a spec that is not a SketchSpec, or a factor of the
         wrong shape.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from logra_jax.optim.targets import find_targets
       >>> t = find_targets({"q_proj": {"kernel": jnp.zeros((8, 4))}})["q_proj.kernel"]
-      >>> u = LowRankUpdate(jnp.ones((4, 2)), jnp.int32(0), target=t, base_seed=42, rank=2)
+      >>> u = LowRankUpdate(jnp.ones((4, 2)), jnp.int32(0), target=t, spec=SketchSpec(rank=2))
       >>> u.to_dense().shape
       (8, 4)
     """
 
-    def __init__(self, factor: jax.Array, step: jax.Array | int, *, target: Target, base_seed: int, rank: int,
-                 distribution: Distribution = "rademacher", refresh: bool = True, round_bf16: bool = False,
-                 decay: jax.Array | None = None, implementation: Implementation = "xla", interpret: bool = False):
+    def __init__(self, factor: jax.Array, step: jax.Array | int, *, target: Target, spec: SketchSpec,
+                 decay: jax.Array | None = None):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a Target, got {target!r}")
-        check_projection_args(rank, distribution)
-        check_nonneg_int("base_seed", base_seed)
-        expected = (*target.batch_shape, *target.rows_shape, rank)
+        if not isinstance(spec, SketchSpec):
+            raise TypeError(f"LowRankUpdate for {target.path}: spec must be a SketchSpec, got {spec!r}")
+        expected = (*target.batch_shape, *target.rows_shape, spec.rank)
         if tuple(jnp.shape(factor)) != expected:
             raise ValueError(f"LowRankUpdate for {target.path}: factor shape must be {expected} "
                              f"(*batch, *rows, rank), got {tuple(jnp.shape(factor))}")
         self.factor = factor
         self.step = jnp.asarray(step, jnp.int32)
         self.decay = decay
-        self.meta = LowRankMeta(target=target, base_seed=int(base_seed), rank=int(rank),
-                                distribution=distribution, refresh=bool(refresh), round_bf16=bool(round_bf16),
-                                **_merge_settings(implementation, interpret, f"LowRankUpdate for {target.path}"))
+        self.meta = LowRankMeta(target=target, spec=spec)
 
     @property
     def target(self) -> Target:
         return self.meta.target
+
+    @property
+    def spec(self) -> SketchSpec:
+        return self.meta.spec
 
     def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], LowRankMeta]:
         children = ((jax.tree_util.GetAttrKey("factor"), self.factor),
@@ -140,8 +129,8 @@ class LowRankUpdate:
 
     def __repr__(self) -> str:
         return (f"LowRankUpdate(path={self.meta.target.path!r}, factor={getattr(self.factor, 'shape', self.factor)}, "
-                f"step={self.step!r}, decay={self.decay!r}, rank={self.meta.rank}, "
-                f"distribution={self.meta.distribution!r}, refresh={self.meta.refresh})")
+                f"step={self.step!r}, decay={self.decay!r}, rank={self.spec.rank}, "
+                f"distribution={self.spec.distribution!r}, refresh={self.spec.refresh})")
 
     def _refuse_arithmetic(self, other: Any) -> Any:
         raise TypeError(f"LowRankUpdate for {self.meta.target.path} cannot be added to an array: merge low-rank "
@@ -165,16 +154,16 @@ class LowRankUpdate:
         Raises:
           ValueError: an unknown implementation; TypeError: a non-bool interpret.
         """
-        settings = _merge_settings(implementation, interpret, f"LowRankUpdate for {self.meta.target.path}")
-        return LowRankUpdate.tree_unflatten(dataclasses.replace(self.meta, **settings),
-                                            (self.factor, self.step, self.decay))
+        implementation, interpret = check_kernel_settings(implementation, interpret,
+                                                          f"LowRankUpdate for {self.meta.target.path}")
+        meta = LowRankMeta(self.meta.target, self.spec.with_merge(implementation, interpret))
+        return LowRankUpdate.tree_unflatten(meta, (self.factor, self.step, self.decay))
 
     def check_step(self) -> None:
         """Raise TypeError (with MISUSE_ADVICE) unless `step` is an int32 scalar and `factor` a floating array of
         shape (*batch, *rows, rank): what a generic optax transform placed after the sketch breaks."""
-        m = self.meta
-        t = m.target
-        expected = (*t.batch_shape, *t.rows_shape, m.rank)
+        t = self.meta.target
+        expected = (*t.batch_shape, *t.rows_shape, self.spec.rank)
         dtype = getattr(self.step, "dtype", None)
         if dtype != jnp.int32 or jnp.shape(self.step) != ():
             problem = f"step must be an int32 scalar, got {self.step!r}"
@@ -190,13 +179,13 @@ class LowRankUpdate:
     def _draw(self) -> tuple[_Draw, jax.Array, np.ndarray]:
         """Static projection settings, the step the projections are drawn for (0 without refresh), digests."""
         self.check_step()
-        m = self.meta
-        step = self.step if m.refresh else jnp.zeros((), jnp.int32)
-        return (m.target.geometry, m.base_seed, m.rank, m.distribution), step, digest_words(m.target.slice_paths)
+        spec, t = self.spec, self.meta.target
+        step = self.step if spec.refresh else jnp.zeros((), jnp.int32)
+        return (t.geometry, spec.base_seed, spec.rank, spec.distribution), step, digest_words(t.slice_paths)
 
     def wire_factor(self) -> jax.Array:
         """The factor as merged: rounded to bf16 when `round_bf16` (the wire format), as float32."""
-        u = self.factor.astype(jnp.bfloat16) if self.meta.round_bf16 else self.factor
+        u = self.factor.astype(jnp.bfloat16) if self.spec.round_bf16 else self.factor
         return u.astype(jnp.float32)
 
     def projection_gram(self) -> jax.Array:
@@ -261,15 +250,11 @@ class LowRankUpdate:
     def merge(self, weight: jax.Array) -> jax.Array:
         """W ← (1 + c)·W + U·A, one batch slice at a time (never more than one slice's ΔW in memory; with
         implementation "pallas" never more than one block of it)."""
-        m = self.meta
+        spec = self.spec
         self._check_weight(weight, "apply_updates")
         draw, step, digests = self._draw()
-        return _merge(draw, (m.implementation, m.interpret), self.wire_factor(), step, digests, self.decay, weight)
-
-
-def _merge_settings(implementation: str, interpret: bool, where: str) -> dict[str, Any]:
-    implementation, interpret = check_kernel_settings(implementation, interpret, where)
-    return {"implementation": implementation, "interpret": interpret}
+        return _merge(draw, (spec.implementation, spec.interpret), self.wire_factor(), step, digests, self.decay,
+                      weight)
 
 
 # (target geometry, base_seed, rank, distribution): everything static that selects the projections; the slices'
@@ -419,7 +404,7 @@ def is_lowrank_aware(update_fn: Any) -> bool:
 def apply_updates(params: Any, updates: Any) -> Any:
     """params + updates, merging low-rank leaves: W ← (1 + c)·W + bf16?(U)·A layer by layer.
 
-    Each low-rank leaf is merged by its own `meta.implementation` ("xla" or "pallas", set by the optimizer, e.g.
+    Each low-rank leaf is merged by its own `spec.implementation` ("xla" or "pallas", set by the optimizer, e.g.
     `logra(implementation=...)`), so a rollout engine rebuilding the same updates repeats the same arithmetic.
     Plain leaves add as in `optax.apply_updates` (result cast to the parameter's dtype); None or
     optax.MaskedNode updates leave the parameter unchanged.
@@ -436,7 +421,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
       >>> from logra_jax.optim.targets import find_targets
       >>> params = {"q_proj": {"kernel": jnp.zeros((8, 4))}, "b": jnp.zeros(3)}
       >>> t = find_targets(params)["q_proj.kernel"]
-      >>> u = LowRankUpdate(jnp.ones((4, 2)), 0, target=t, base_seed=42, rank=2)
+      >>> u = LowRankUpdate(jnp.ones((4, 2)), 0, target=t, spec=SketchSpec(rank=2))
       >>> new = apply_updates(params, {"q_proj": {"kernel": u}, "b": jnp.ones(3)})
       >>> bool(jnp.allclose(new["q_proj"]["kernel"], u.to_dense())), float(new["b"][0])
       (True, 1.0)

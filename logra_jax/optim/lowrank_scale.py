@@ -29,12 +29,20 @@ def _aware(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransform
     return tx
 
 
-def _scale_tree(updates: Any, step_size: jax.Array | float) -> Any:
+def scale_updates(updates: Any, step_size: jax.Array | float, *, exact_zero: bool = False) -> Any:
+    """η·updates, the one way an update tree is scaled: U ← η U and c ← η c on low-rank leaves (their int32 step
+    untouched), u ← dtype_u(η u) on floating leaves; None and integer leaves pass unchanged. exact_zero: where
+    η = 0 the result is exactly zero, even for non-finite updates (a refused or undone step)."""
+    def mul(x: jax.Array) -> jax.Array:
+        out = jnp.asarray(step_size * x).astype(x.dtype)
+        return jnp.where(step_size == 0, jnp.zeros_like(out), out) if exact_zero else out
+
     def one(u: Any) -> Any:
         if isinstance(u, LowRankUpdate):
-            decay = None if u.decay is None else step_size * u.decay
-            return u.replace(factor=step_size * u.factor, decay=decay)
-        return None if u is None else jnp.asarray(step_size * u).astype(u.dtype)
+            return u.replace(factor=mul(u.factor), decay=None if u.decay is None else mul(u.decay))
+        if u is None or not jnp.issubdtype(jnp.asarray(u).dtype, jnp.floating):
+            return u
+        return mul(u)
 
     return jax.tree.map(one, updates, is_leaf=lambda x: x is None or is_lowrank(x))
 
@@ -69,7 +77,7 @@ def scale_lowrank(step_size: float | jax.Array | optax.Schedule) -> optax.Gradie
                       ) -> tuple[Any, optax.ScaleByScheduleState]:
             del params, extra_args
             eta = jnp.asarray(schedule(state.count), jnp.float32)
-            return _scale_tree(updates, eta), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+            return scale_updates(updates, eta), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
         return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
@@ -80,7 +88,7 @@ def scale_lowrank(step_size: float | jax.Array | optax.Schedule) -> optax.Gradie
     def const_update(updates: Any, state: optax.EmptyState, params: Any = None, **extra_args: Any
                      ) -> tuple[Any, optax.EmptyState]:
         del params, extra_args
-        return _scale_tree(updates, step_size), state
+        return scale_updates(updates, step_size), state
 
     return _aware(optax.GradientTransformationExtraArgs(const_init, const_update))
 
@@ -191,7 +199,7 @@ def clip_by_global_norm_lowrank(max_norm: float | jax.Array) -> optax.GradientTr
         pieces = jax.tree.leaves(_map_with_weights(norm_sq, updates, params, "clip_by_global_norm_lowrank"))
         g = jnp.sqrt(sum(pieces, jnp.zeros((), jnp.float32)))
         scale = jnp.where(g <= max_norm, 1.0, max_norm / jnp.where(g > 0, g, 1.0)).astype(jnp.float32)
-        return _scale_tree(updates, scale), state
+        return scale_updates(updates, scale), state
 
     return _aware(optax.GradientTransformationExtraArgs(_empty_init, update_fn))
 

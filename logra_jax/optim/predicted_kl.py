@@ -8,7 +8,7 @@ it so that the prediction meets a budget:
   budget(n) = b_final + (b_0 − b_final)·½(1 + cos(π·min(n, N−1)/(N−1)))     (cosine over N updates, then flat)
   budget_eff = max(budget − m, f·budget),  m ← (1 − w)·m + w·clip(gap, 0) from m = 0   (optional)
   α = min(α_max, sqrt(budget_eff / q));   q = 0 → α = 1
-  q non-finite or < 0, or no probed position → the step is refused: α = 0, `skipped` + 1, and
+  q non-finite or < 0, or no probed position → the step is refused: α = 0, `kl_skipped` + 1, and
   `hold_if_skipped` keeps every other optimizer state (moments, counters) where it was
 
 This module is the optax side: the transform that turns q into α, the budget schedule, and holding the other
@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from logra_jax.optim.lowrank_scale import scale_updates
+
 
 def kl_budget_schedule(count: jax.Array, kl_budget: float, kl_budget_final: float, schedule_steps: int
                        ) -> jax.Array:
@@ -36,24 +38,17 @@ def kl_budget_schedule(count: jax.Array, kl_budget: float, kl_budget_final: floa
 
 
 class PredictedKLState(NamedTuple):
-    """count: updates seen; mismatch: EMA of the rollout/trainer gap (0 before the first measurement);
-    q, alpha, budget: last prediction, step scale and effective budget; skipped: updates refused (bad q)."""
+    """kl_count: updates seen; kl_mismatch: EMA of the rollout/trainer gap (0 before the first measurement);
+    kl_q, kl_alpha, kl_budget: last prediction, step scale and effective budget; kl_skipped: updates refused
+    (bad q). Named uniquely in any optimizer state (optax.tree_utils.tree_get(state, "kl_alpha")); the train
+    step reports them as metrics of the same names."""
 
-    count: jax.Array
-    mismatch: jax.Array
-    q: jax.Array
-    alpha: jax.Array
-    budget: jax.Array
-    skipped: jax.Array
-
-
-def _scale_floats(tree: Any, alpha: jax.Array) -> Any:
-    """α·x on floating leaves (exact zeros when α = 0, even where x is not finite); other leaves unchanged."""
-    def scale(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jnp.where(alpha == 0, jnp.zeros_like(x), x * alpha.astype(x.dtype))
-    return jax.tree.map(scale, tree)
+    kl_count: jax.Array
+    kl_mismatch: jax.Array
+    kl_q: jax.Array
+    kl_alpha: jax.Array
+    kl_budget: jax.Array
+    kl_skipped: jax.Array
 
 
 def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5, schedule_steps: int = 300,
@@ -65,7 +60,7 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
     `kl_probe=fn(updates) -> (q_sum, count)` (called on the incoming updates; q is quadratic, so their sign does
     not matter). `rollout_mismatch=` (a scalar gap, ≥ 0 after clipping) feeds the optional mismatch subtraction.
     A non-finite or negative q, or a prediction over no position (count = 0), sets α = 0 (the update is
-    refused) and increments `skipped`; it never updates silently. The rest of this state still advances: a
+    refused) and increments `kl_skipped`; it never updates silently. The rest of this state still advances: a
     train step undoes that, and the other transforms' advance, with `hold_if_skipped`. Floating leaves of the
     updates are multiplied by α; integer leaves (e.g. a low-rank update's step) are left alone.
 
@@ -84,7 +79,7 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
       >>> tx = scale_by_predicted_kl(kl_budget=1e-4)
       >>> state = tx.init({"w": jnp.ones(3)})
       >>> upd, state = tx.update({"w": jnp.ones(3)}, state, kl_prediction=(jnp.float32(4e-4), jnp.float32(1)))
-      >>> round(float(state.alpha), 3)
+      >>> round(float(state.kl_alpha), 3)
       0.5
     """
     # Arrays (from optax.inject_hyperparams, possibly traced) cannot be checked here; Python numbers are.
@@ -103,8 +98,8 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
     def init(params: Any) -> PredictedKLState:
         del params
         f32 = lambda v: jnp.asarray(v, jnp.float32)
-        return PredictedKLState(count=jnp.zeros((), jnp.int32), mismatch=f32(0.0), q=f32(0.0),
-                                alpha=f32(1.0), budget=f32(kl_budget), skipped=jnp.zeros((), jnp.int32))
+        return PredictedKLState(kl_count=jnp.zeros((), jnp.int32), kl_mismatch=f32(0.0), kl_q=f32(0.0),
+                                kl_alpha=f32(1.0), kl_budget=f32(kl_budget), kl_skipped=jnp.zeros((), jnp.int32))
 
     def update(updates: Any, state: PredictedKLState, params: Any = None, *, kl_probe=None, kl_prediction=None,
                rollout_mismatch=None, **extra: Any):
@@ -117,8 +112,8 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
         q_sum, count = kl_prediction
         count = jnp.asarray(count, jnp.float32)
         q = jnp.asarray(q_sum, jnp.float32) / jnp.maximum(count, 1.0)
-        budget = kl_budget_schedule(state.count, kl_budget, kl_budget_final, schedule_steps)
-        mismatch = state.mismatch
+        budget = kl_budget_schedule(state.kl_count, kl_budget, kl_budget_final, schedule_steps)
+        mismatch = state.kl_mismatch
         if rollout_mismatch is not None:
             gap = jnp.maximum(jnp.asarray(rollout_mismatch, jnp.float32), 0.0)
             mismatch = (1 - mismatch_weight) * mismatch + mismatch_weight * gap
@@ -128,9 +123,9 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
         safe_q = jnp.where(bad | (q <= 0), 1.0, q)
         alpha = jnp.where(q > 0, jnp.minimum(alpha_max, jnp.sqrt(budget / safe_q)), 1.0)
         alpha = jnp.where(bad, 0.0, alpha).astype(jnp.float32)
-        new_state = PredictedKLState(count=state.count + 1, mismatch=mismatch, q=q, alpha=alpha, budget=budget,
-                                     skipped=state.skipped + bad.astype(jnp.int32))
-        return _scale_floats(updates, alpha), new_state
+        new_state = PredictedKLState(kl_count=state.kl_count + 1, kl_mismatch=mismatch, kl_q=q, kl_alpha=alpha,
+                                     kl_budget=budget, kl_skipped=state.kl_skipped + bad.astype(jnp.int32))
+        return scale_updates(updates, alpha, exact_zero=True), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -138,26 +133,27 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
 def hold_where(hold: jax.Array, updates: Any, old_state: Any, new_state: Any) -> tuple[Any, Any]:
     """(updates, state) with nothing advanced where `hold`: exact-zero updates (every transform's, also those
     outside the controller, e.g. non-target AdamW) and `old_state` again — RowAdam's moments, step counters, the
-    controller's count and mismatch EMA — except the controller's record of what happened (skipped, and the
+    controller's count and mismatch EMA — except the controller's record of what happened (kl_skipped, and the
     held step's q, alpha, budget). Hold the params, and any projection step kept outside the optax state, too."""
     is_kl = lambda x: isinstance(x, PredictedKLState)
     held = jax.tree.map(lambda o, n: jnp.where(hold, o, n), old_state, new_state)
 
     def keep_record(h: Any, n: Any) -> Any:
-        return h._replace(skipped=n.skipped, q=n.q, alpha=n.alpha, budget=n.budget) if is_kl(n) else h
+        return h._replace(kl_skipped=n.kl_skipped, kl_q=n.kl_q, kl_alpha=n.kl_alpha,
+                          kl_budget=n.kl_budget) if is_kl(n) else h
 
     state = jax.tree.map(keep_record, held, new_state, is_leaf=is_kl)
-    return _scale_floats(updates, jnp.where(hold, 0.0, 1.0)), state
+    return scale_updates(updates, jnp.where(hold, 0.0, 1.0), exact_zero=True), state
 
 
 def hold_if_skipped(updates: Any, old_state: Any, new_state: Any) -> tuple[Any, Any, jax.Array | None]:
     """(updates, state, refused) after an update that `scale_by_predicted_kl` may have refused: when a controller
-    in `new_state` counted a refusal (its `skipped` grew), `hold_where` holds the step. Without a controller in
+    in `new_state` counted a refusal (its `kl_skipped` grew), `hold_where` holds the step. Without a controller in
     the state everything is returned unchanged with refused = None."""
     is_kl = lambda x: isinstance(x, PredictedKLState)
     new_kl = [s for s in jax.tree.leaves(new_state, is_leaf=is_kl) if is_kl(s)]
     if not new_kl:
         return updates, new_state, None
     old_kl = [s for s in jax.tree.leaves(old_state, is_leaf=is_kl) if is_kl(s)]
-    refused = jnp.any(jnp.stack([n.skipped > o.skipped for n, o in zip(new_kl, old_kl, strict=True)]))
+    refused = jnp.any(jnp.stack([n.kl_skipped > o.kl_skipped for n, o in zip(new_kl, old_kl, strict=True)]))
     return *hold_where(refused, updates, old_state, new_state), refused

@@ -14,20 +14,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.kernels.backend import Implementation, check_kernel_settings
+from logra_jax.kernels.backend import Implementation
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank, slice_projection, to_slices
-from logra_jax.optim.projection import (
-    Distribution,
-    check_nonneg_int,
-    check_projection_args,
-    digest_words,
-)
+from logra_jax.optim.projection import Distribution, digest_words
+from logra_jax.optim.spec import SketchSpec, build_spec
 from logra_jax.optim.targets import (
-    DEFAULT_TARGET_RULES,
     Target,
     TargetRule,
     check_rank_fits,
-    check_rules,
     find_targets,
     match_target,
     place_replicated,
@@ -36,9 +30,12 @@ from logra_jax.tree_paths import path_keys
 
 
 class SketchState(NamedTuple):
-    """count: number of completed updates (int32), the step the next sketch's projections are drawn for."""
+    """count: number of completed updates (int32), the step the next sketch's projections are drawn for;
+    spec: the transform's SketchSpec (static: a pytree node without leaves, so checkpoints and shardings see
+    only `count`)."""
 
     count: jax.Array
+    spec: SketchSpec
 
 
 # Jitted with static geometry and seed settings (the path's digests are an input), so eager use compiles once per
@@ -64,22 +61,24 @@ def _sketch(geometry: Target, base_seed: int, rank: int, distribution: Distribut
     return s.reshape(*geometry.batch_shape, *geometry.rows_shape, rank)
 
 
-def scale_by_sketch(rank: int, base_seed: int = 42, distribution: Distribution = "rademacher",
-                    refresh: bool = True, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES,
-                    round_bf16: bool = False, *, implementation: Implementation = "xla",
-                    interpret: bool = False) -> optax.GradientTransformationExtraArgs:
+def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distribution: Distribution | None = None,
+                    refresh: bool | None = None, rules: Sequence[TargetRule] | None = None,
+                    round_bf16: bool | None = None, *, implementation: Implementation | None = None,
+                    interpret: bool | None = None, spec: SketchSpec | None = None
+                    ) -> optax.GradientTransformationExtraArgs:
     """Replace each target's dense gradient by its sketch, as a `LowRankUpdate` with factor S.
 
     Per batch slice l of a target (one layer), with t = number of completed updates (the state count):
       A_l = projection(seed(base_seed, t if refresh else 0, "path.l"), rank, k)        [r, k]
       S_l = G_l A_lᵀ                                                                  [d, r], float32
     Non-target leaves pass through unchanged. Leaves that already are a LowRankUpdate (sketch-native mode, where
-    the backward pass produces S directly) pass through too, after checking that their static seed settings
-    equal this transform's. Every update leaving this transform carries its merge settings (`implementation`,
-    `interpret`): this is where a chain decides how `apply_updates` will merge it. Generic optax transforms (e.g.
+    the backward pass produces S directly) pass through too, after checking that their spec's projection
+    settings equal this transform's. Every update leaving this transform carries this transform's SketchSpec:
+    this is where a chain decides how `apply_updates` will merge it. The spec is also in the state
+    (`SketchState.spec`, static), where `logra_jax.optim.sketch_spec` finds it. Generic optax transforms (e.g.
     clip_by_global_norm) belong before this one.
 
-    Args:
+    Args (each None: SketchSpec's default, declared there):
       rank: r, a positive Python int (static).
       base_seed: base of every projection seed (static).
       distribution: "rademacher" (±1/√r) or "gaussian" (N(0, 1/r)).
@@ -89,14 +88,16 @@ def scale_by_sketch(rank: int, base_seed: int = 42, distribution: Distribution =
       implementation: how `apply_updates` merges the produced updates: "xla" (einsum) or "pallas"
         (`logra_jax.kernels.merge`, block-tiled, in place).
       interpret: Pallas only: run the merge kernel in the Pallas interpreter (required on CPU).
+      spec: the settings above as one SketchSpec (then leave them None).
 
     Returns:
       An optax.GradientTransformationExtraArgs with SketchState (extra args are ignored).
 
     Raises:
-      TypeError/ValueError: bad rank, base_seed, distribution, rules, implementation or interpret; at
-        init/update when no parameter matches the rules or a match cannot be viewed as a matrix; at init when
-        the rank exceeds a target's width (`check_rank_fits`).
+      TypeError/ValueError: bad settings (the message starts "scale_by_sketch:"), settings given beside spec;
+        at init/update when no parameter matches the rules or a match cannot be viewed as a matrix; at init when
+        the rank exceeds a target's width (`check_rank_fits`); at update when an incoming LowRankUpdate was
+        sketched with other projection settings.
 
     Example:
       >>> import jax.numpy as jnp
@@ -106,46 +107,41 @@ def scale_by_sketch(rank: int, base_seed: int = 42, distribution: Distribution =
       >>> updates["q_proj"]["kernel"].factor.shape, int(state.count)
       ((4, 2), 1)
     """
-    check_projection_args(rank, distribution)
-    check_nonneg_int("base_seed", base_seed)
-    rules = check_rules(rules)
-    refresh, round_bf16 = bool(refresh), bool(round_bf16)
-    settings = dict(base_seed=base_seed, rank=rank, distribution=distribution, refresh=refresh,
-                    round_bf16=round_bf16)
-    implementation, interpret = check_kernel_settings(implementation, interpret, "scale_by_sketch")
-    merge_settings = dict(implementation=implementation, interpret=interpret)
+    spec = build_spec("scale_by_sketch", spec, rank=rank, base_seed=base_seed, distribution=distribution,
+                      refresh=refresh, rules=rules, round_bf16=round_bf16, implementation=implementation,
+                      interpret=interpret)
+    draw = spec.with_merge("xla")  # what an incoming sketch must agree on (how it merges is this transform's call)
 
     def init_fn(params: Any) -> SketchState:
-        check_rank_fits(find_targets(params, rules), rank)
-        return SketchState(count=place_replicated(jnp.zeros((), jnp.int32), params))
+        check_rank_fits(find_targets(params, spec.rules), spec.rank)
+        return SketchState(count=place_replicated(jnp.zeros((), jnp.int32), params), spec=spec)
 
     def update_fn(updates: Any, state: SketchState, params: Any = None, **extra_args: Any
                   ) -> tuple[Any, SketchState]:
         del params, extra_args
         step = state.count
-        draw_step = step if refresh else jnp.zeros((), jnp.int32)
+        draw_step = step if spec.refresh else jnp.zeros((), jnp.int32)
         matched = []
 
         def one(keypath: Any, g: Any) -> Any:
             if isinstance(g, LowRankUpdate):
-                got = {name: getattr(g.meta, name) for name in settings}
-                if got != settings:
-                    raise ValueError(f"scale_by_sketch: incoming LowRankUpdate for {g.target.path} has settings "
-                                     f"{got}, this transform has {settings}")
+                if g.spec.with_merge("xla") != draw:
+                    raise ValueError(f"scale_by_sketch: incoming LowRankUpdate for {g.target.path} has spec "
+                                     f"{g.spec}, this transform has {spec}")
                 matched.append(g.target.path)
-                return g.with_merge(**merge_settings)
+                return g.with_merge(spec.implementation, spec.interpret)
             keys = path_keys(keypath)
-            target = match_target(".".join(keys), keys, jnp.shape(g), rules)
+            target = match_target(".".join(keys), keys, jnp.shape(g), spec.rules)
             if target is None:
                 return g
             matched.append(target.path)
-            s = _sketch(target.geometry, base_seed, rank, distribution, g, draw_step,
+            s = _sketch(target.geometry, spec.base_seed, spec.rank, spec.distribution, g, draw_step,
                         digest_words(target.slice_paths))
-            return LowRankUpdate(s, step, target=target, **settings, **merge_settings)
+            return LowRankUpdate(s, step, target=target, spec=spec)
 
         sketched = jax.tree_util.tree_map_with_path(one, updates, is_leaf=is_lowrank)
         if not matched:
-            find_targets(updates, rules)  # raises the no-match ValueError naming the rules
-        return sketched, SketchState(count=optax.safe_increment(step))
+            find_targets(updates, spec.rules)  # raises the no-match ValueError naming the rules
+        return sketched, SketchState(count=optax.safe_increment(step), spec=spec)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

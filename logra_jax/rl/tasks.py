@@ -26,6 +26,7 @@ from logra_jax.rl.answers import extract_answer
 
 TaskKind = Literal["arithmetic", "countdown", "math"]
 TASK_KINDS: tuple[str, ...] = ("arithmetic", "countdown", "math")
+GENERATED_KINDS: tuple[str, ...] = ("arithmetic", "countdown")  # the kinds TaskSpec generates
 CARRY_MODES: tuple[str, ...] = ("any", "none", "some")
 
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -73,14 +74,14 @@ class TaskSpec:
     kind: str = "arithmetic"
     seed: int = 0
     difficulty: int = 2
-    operations: str = "+-*"
-    count: int = 4
-    max_number: int = 100
-    max_target: int = 1000
+    operations: str = "+"
+    count: int = 3
+    max_number: int = 20
+    max_target: int = 100
     carries: str = "any"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("arithmetic", "countdown"):
+        if self.kind not in GENERATED_KINDS:
             raise ValueError(f"TaskSpec.kind must be 'arithmetic' or 'countdown', got {self.kind!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"TaskSpec.seed must be a non-negative integer, got {self.seed!r}")

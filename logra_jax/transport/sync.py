@@ -43,6 +43,7 @@ import optax
 
 from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
+from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import MatrixDims, Target
 from logra_jax.tree_paths import path_str
 
@@ -127,31 +128,25 @@ class TargetFactor:
     """One target's share of a delta: everything `LowRankUpdate` needs to be rebuilt on the rollout side.
 
     Attributes:
-      factor: (*batch, *rows, r), bf16 when `round_bf16` (the merge's own rounding), else float32.
+      factor: (*batch, *rows, r), bf16 when `spec.round_bf16` (the merge's own rounding), else float32.
       decay: None or the float32 scalar c of a decayed merge (NeMo variant).
-      step, base_seed, rank, distribution, refresh, round_bf16: the LowRankUpdate's fields.
+      step: the LowRankUpdate's step.
+      spec: its SketchSpec (on the wire: `SketchSpec.wire_fields`, the projection settings, the rounding and the
+        merge kernel the trainer used, so the rollout side repeats it exactly).
       shape, rows, width: the kernel's shape and its MatrixDims (normalised axes).
-      implementation, interpret: the merge kernel the trainer used (the rollout side repeats it exactly).
     """
 
     factor: np.ndarray
     decay: np.ndarray | None
     step: int
-    base_seed: int
-    rank: int
-    distribution: str
-    refresh: bool
-    round_bf16: bool
+    spec: SketchSpec
     shape: tuple[int, ...]
     rows: tuple[int, ...]
     width: tuple[int, ...]
-    implementation: str = "xla"
-    interpret: bool = False
 
     def meta(self) -> dict[str, Any]:
-        fields = ("step", "base_seed", "rank", "distribution", "refresh", "round_bf16", "shape", "rows", "width",
-                  "implementation", "interpret")
-        out = {f: getattr(self, f) for f in fields}
+        out = {"step": self.step, **self.spec.wire_fields(), "shape": self.shape, "rows": self.rows,
+               "width": self.width}
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
     def update(self, path: str) -> LowRankUpdate:
@@ -161,10 +156,8 @@ class TargetFactor:
                         dims=MatrixDims(rows=rows, width=width),
                         batch_axes=tuple(a for a in range(len(self.shape)) if a not in rows + width))
         decay = None if self.decay is None else jnp.asarray(self.decay, jnp.float32)
-        return LowRankUpdate(jnp.asarray(self.factor, jnp.float32), self.step, target=target,
-                             base_seed=self.base_seed, rank=self.rank, distribution=self.distribution,
-                             refresh=self.refresh, round_bf16=self.round_bf16, decay=decay,
-                             implementation=self.implementation, interpret=self.interpret)
+        return LowRankUpdate(jnp.asarray(self.factor, jnp.float32), self.step, target=target, spec=self.spec,
+                             decay=decay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,12 +221,13 @@ class SyncPayload:
                 raise PayloadError(f"not a {FORMAT} payload: format {meta['format']!r}, kind {meta['kind']!r}")
             factors = {}
             for p, m in meta["targets"].items():
+                spec = SketchSpec(rank=int(m["rank"]), base_seed=int(m["base_seed"]),
+                                  distribution=str(m["distribution"]), refresh=bool(m["refresh"]),
+                                  round_bf16=bool(m["round_bf16"]), implementation=str(m["implementation"]),
+                                  interpret=bool(m["interpret"]))
                 factors[p] = TargetFactor(
-                    factor=arrays[f"factor/{p}"], decay=arrays.get(f"decay/{p}"), step=int(m["step"]),
-                    base_seed=int(m["base_seed"]), rank=int(m["rank"]), distribution=str(m["distribution"]),
-                    refresh=bool(m["refresh"]), round_bf16=bool(m["round_bf16"]), shape=tuple(m["shape"]),
-                    rows=tuple(m["rows"]), width=tuple(m["width"]),
-                    implementation=str(m["implementation"]), interpret=bool(m["interpret"]))
+                    factor=arrays[f"factor/{p}"], decay=arrays.get(f"decay/{p}"), step=int(m["step"]), spec=spec,
+                    shape=tuple(m["shape"]), rows=tuple(m["rows"]), width=tuple(m["width"]))
             pick = lambda prefix: {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
             return cls(kind=meta["kind"], version=int(meta["version"]), parent=meta["parent"], factors=factors,
                        dense=pick("dense/"), weights=pick("weight/"),
@@ -269,7 +263,7 @@ def _sealed(**fields: Any) -> SyncPayload:
 
 @jax.jit
 def _wire_factors(updates: list[LowRankUpdate]) -> list[tuple[jax.Array, jax.Array, jax.Array | None]]:
-    return [(u.factor.astype(jnp.bfloat16) if u.meta.round_bf16 else u.factor.astype(jnp.float32), u.step,
+    return [(u.factor.astype(jnp.bfloat16) if u.spec.round_bf16 else u.factor.astype(jnp.float32), u.step,
              u.decay) for u in updates]
 
 
@@ -306,11 +300,9 @@ def delta_payload(updates: Any, params: Any, version: int, *, trained: Collectio
         wire, dense = jax.device_get((wire, dense))
     factors = {}
     for (p, u), (factor, step, decay) in zip(lowrank.items(), wire):
-        m, t = u.meta, u.meta.target
+        t = u.target
         factors[p] = TargetFactor(factor=keep(factor), decay=None if decay is None else keep(decay),
-                                  step=int(step), base_seed=m.base_seed, rank=m.rank, distribution=m.distribution,
-                                  refresh=m.refresh, round_bf16=m.round_bf16, shape=t.shape, rows=t.dims.rows,
-                                  width=t.dims.width, implementation=m.implementation, interpret=m.interpret)
+                                  step=int(step), spec=u.spec, shape=t.shape, rows=t.dims.rows, width=t.dims.width)
     fields = dict(kind="delta", version=version, parent=version - 1, factors=factors,
                   dense={p: keep(a) for p, a in dense.items()}, weights={}, fingerprint=tree_fingerprint(params))
     return _sealed(**fields) if host else SyncPayload(checksum="", on_device=True, **fields)

@@ -11,10 +11,11 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
+from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import (
     LowRankUpdate,
     MatrixDims,
+    SketchSpec,
     TargetRule,
     apply_updates,
     find_targets,
@@ -44,8 +45,7 @@ def _train(implementation, round_bf16):
     targets = attach_sketch_probes(model, spec)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = logra(rank=RANK, update_ratio=1e-2, round_bf16=round_bf16, implementation=implementation, interpret=True)
-    step = jax.jit(make_train_step(graphdef, next_token_loss, tx, mode="sketch_native", targets=targets, spec=spec,
-                                   round_bf16=round_bf16))
+    step = jax.jit(make_train_step(graphdef, next_token_loss, tx, mode="sketch_native"))
     state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
     batches = _batches()
     jaxpr = str(jax.make_jaxpr(step)(state, rest, batches[0]))
@@ -116,7 +116,7 @@ def test_pallas_row_adam_on_einsum_kernel_matches_numpy(variant):
     for t in (1, 2):
         # (*batch, *rows, r) = (L, N, H, r), rows of very different magnitudes.
         s = (rng.normal(size=(2, 3, 4, R)) * rng.uniform(0.01, 10.0, size=(2, 3, 4, 1))).astype(np.float32)
-        u = LowRankUpdate(jnp.asarray(s), t - 1, target=target, base_seed=42, rank=R)
+        u = LowRankUpdate(jnp.asarray(s), t - 1, target=target, spec=SketchSpec(rank=R, base_seed=42))
         out, state = tx.update({"w": u}, state)
         want, v_np = _numpy_row_adam(s.reshape(2, 12, R).astype(np.float64), v_np, t, variant)
         np.testing.assert_allclose(np.asarray(out["w"].factor).reshape(2, 12, R), want, rtol=2e-6, atol=1e-7)
@@ -129,8 +129,9 @@ def test_pallas_merge_on_einsum_kernel_matches_numpy(decay):
     weight = jnp.asarray(rng.normal(size=SHAPE), jnp.float32)
     target = find_targets({"w": weight}, RULES)["w"]
     factor = rng.normal(size=(2, 3, 4, R)).astype(np.float32)
-    u = LowRankUpdate(jnp.asarray(factor), 5, target=target, base_seed=42, rank=R, round_bf16=True,
-                      decay=None if decay is None else jnp.float32(decay), implementation="pallas", interpret=True)
+    u = LowRankUpdate(jnp.asarray(factor), 5, target=target,
+                      spec=SketchSpec(rank=R, base_seed=42, round_bf16=True, implementation="pallas", interpret=True),
+                      decay=None if decay is None else jnp.float32(decay))
     got = apply_updates({"w": weight}, {"w": u})["w"]
     a = np.asarray(target_projection(target, 42, 5, R), np.float64)  # (L, r, D)
     bf16_u = factor.astype(ml_dtypes.bfloat16).astype(np.float64)
@@ -151,6 +152,6 @@ def test_implementation_is_checked_where_it_enters():
         scale_by_row_adam(implementation="XLA")
     target = find_targets({"w": jnp.zeros(SHAPE)}, RULES)["w"]
     with pytest.raises(ValueError, match="LowRankUpdate for w"):
-        LowRankUpdate(jnp.zeros((2, 3, 4, R)), 0, target=target, base_seed=42, rank=R, implementation="mosaic")
+        LowRankUpdate(jnp.zeros((2, 3, 4, R)), 0, target=target, spec=SketchSpec(rank=R)).with_merge("mosaic")
     with pytest.raises(TypeError, match="interpret"):
         SketchSpec(rank=4, interpret=1)

@@ -14,8 +14,8 @@ from logra_jax.checkpoint import CheckpointManager
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.kl_probe import kl_quadratic, make_kl_probe, predicted_and_realised_kl
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
-from logra_jax.optim import logra
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.predicted_kl import kl_budget_schedule, scale_by_predicted_kl
 from logra_jax.train_step import next_token_loss
 
@@ -95,28 +95,28 @@ def test_controller_alpha_budget_skip_and_mismatch():
     updates = {"w": jnp.ones(3)}
     state = tx.init(updates)
     out, state = tx.update(updates, state, kl_prediction=(jnp.float32(8e-4), jnp.float32(1.0)))
-    assert math.isclose(float(state.alpha), 0.5, rel_tol=1e-6)
+    assert math.isclose(float(state.kl_alpha), 0.5, rel_tol=1e-6)
     np.testing.assert_allclose(np.asarray(out["w"]), 0.5, rtol=1e-6)
     out, state = tx.update(updates, state, kl_prediction=(jnp.float32(1e-9), jnp.float32(1.0)))
-    assert float(state.alpha) == 3.0  # the step can grow, capped at alpha_max
+    assert float(state.kl_alpha) == 3.0  # the step can grow, capped at alpha_max
     out, state = tx.update(updates, state, kl_prediction=(jnp.float32(0.0), jnp.float32(5.0)))
-    assert float(state.alpha) == 1.0
+    assert float(state.kl_alpha) == 1.0
     # Refused: a non-finite or negative q, and a prediction over no probed position (not a silent full step).
     for bad_sum, bad_count in ((jnp.nan, 1.0), (jnp.inf, 1.0), (-1.0, 1.0), (0.0, 0.0)):
         out, state = tx.update(updates, state, kl_prediction=(jnp.float32(bad_sum), jnp.float32(bad_count)))
-        assert float(state.alpha) == 0.0 and float(jnp.abs(out["w"]).max()) == 0.0
-    assert int(state.skipped) == 4
+        assert float(state.kl_alpha) == 0.0 and float(jnp.abs(out["w"]).max()) == 0.0
+    assert int(state.kl_skipped) == 4
     # Mismatch: EMA (weight 0.3) of the clipped gap, from m = 0 as in the authors' code, subtracted from the
     # budget but never below half of it.
-    budget_now = float(kl_budget_schedule(state.count, 2e-4, 2e-5, 300))
+    budget_now = float(kl_budget_schedule(state.kl_count, 2e-4, 2e-5, 300))
     _, state = tx.update(updates, state, kl_prediction=(jnp.float32(1e-4), jnp.float32(1.0)),
                          rollout_mismatch=jnp.float32(3e-5))
-    assert math.isclose(float(state.mismatch), 0.3 * 3e-5, rel_tol=1e-5)
-    assert math.isclose(float(state.budget), budget_now - 0.3 * 3e-5, rel_tol=1e-4)
+    assert math.isclose(float(state.kl_mismatch), 0.3 * 3e-5, rel_tol=1e-5)
+    assert math.isclose(float(state.kl_budget), budget_now - 0.3 * 3e-5, rel_tol=1e-4)
     _, state = tx.update(updates, state, kl_prediction=(jnp.float32(1e-4), jnp.float32(1.0)),
                          rollout_mismatch=jnp.float32(1.0))
-    assert math.isclose(float(state.mismatch), 0.3 * 1.0 + 0.7 * 0.3 * 3e-5, rel_tol=1e-5)
-    assert math.isclose(float(state.budget), 0.5 * float(kl_budget_schedule(state.count - 1, 2e-4, 2e-5, 300)),
+    assert math.isclose(float(state.kl_mismatch), 0.3 * 1.0 + 0.7 * 0.3 * 3e-5, rel_tol=1e-5)
+    assert math.isclose(float(state.kl_budget), 0.5 * float(kl_budget_schedule(state.kl_count - 1, 2e-4, 2e-5, 300)),
                         rel_tol=1e-5)
     with pytest.raises(ValueError, match="kl_prediction"):
         tx.update(updates, state)
@@ -162,7 +162,7 @@ def test_controller_state_survives_checkpoint_round_trip(tmp_path):
         restored, _, _ = ckpt.restore(1, abstract=state)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert float(optax.tree_utils.tree_get(restored, "alpha")) == float(optax.tree_utils.tree_get(state, "alpha"))
+    assert float(optax.tree_utils.tree_get(restored, "kl_alpha")) == float(optax.tree_utils.tree_get(state, "kl_alpha"))
 
 
 def test_predicted_matches_realised_kl_on_smollm2_controlled_step():
@@ -184,7 +184,7 @@ def test_predicted_matches_realised_kl_on_smollm2_controlled_step():
     tx = logra(rank=32, update_ratio=1e-3, round_bf16=False, kl_control={"kl_budget": 2e-4, "alpha_max": 3.0})
     kl_probe = make_kl_probe(graphdef, params, rest, jnp.int32(0), probe)
     updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, kl_probe=kl_probe))(grads, tx.init(params), params)
-    alpha = float(optax.tree_utils.tree_get(state, "alpha"))
+    alpha = float(optax.tree_utils.tree_get(state, "kl_alpha"))
     assert 0 < alpha < 0.1  # the proposal was shrunk
     q, realised = jax.jit(lambda p, u: predicted_and_realised_kl(graphdef, p, rest, jnp.int32(0), u, probe))(
         params, updates)

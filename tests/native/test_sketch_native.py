@@ -8,7 +8,8 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.native.sketch_probes import SketchProbe, SketchSpec, attach_sketch_probes, sketching
+from logra_jax.native.sketch_probes import SketchProbe, attach_sketch_probes, sketching
+from logra_jax.optim import SketchSpec
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.projection import target_projection
 from logra_jax.train_step import accumulate_grads, next_token_loss
@@ -128,7 +129,7 @@ def test_tangent_mode_equals_dense_update_jvp():
     flat_p = nnx.to_flat_state(dense_tangent)
     dense_tangent = nnx.from_flat_state([
         (k, v.replace(LowRankUpdate(factors[".".join(map(str, k))], step, target=targets[".".join(map(str, k))],
-                                    base_seed=spec.base_seed, rank=spec.rank).to_dense())
+                                    spec=spec).to_dense())
          if ".".join(map(str, k)) in targets else v) for k, v in flat_p])
     plain = lambda p: nnx.merge(graphdef, p, rest)(toks)
     _, dz_dense = jax.jvp(plain, (params,), (dense_tangent,))

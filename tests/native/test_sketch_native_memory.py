@@ -12,8 +12,8 @@ from logra_jax import sharding as shd
 from logra_jax.memory_analysis import step_memory
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
-from logra_jax.optim import find_targets, logra, scale_by_sketch
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import SketchSpec, find_targets, logra, scale_by_sketch
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 DEVICES = 8
@@ -48,8 +48,7 @@ def _memory(sketch_native: bool, mesh) -> tuple[dict[str, int], int]:
     graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
     targets = find_targets(abstract_params)
     if sketch_native:
-        step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native", targets=targets, spec=spec,
-                               round_bf16=True)
+        step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native")
     else:  # dense-gradient mode: gradients of the targets only (non-targets are frozen either way)
         step = make_train_step(graphdef, next_token_loss, tx,
                                trainable=lambda path, _: ".".join(map(str, path)) in targets)

@@ -24,6 +24,7 @@ from logra_jax.optim import (
     scale_by_sketch,
     scale_lowrank,
 )
+from logra_jax.optim.spec import SketchSpec
 
 RANK = 4
 
@@ -367,7 +368,7 @@ def test_lowrank_update_to_dense_adds_to_the_merged_weight_exactly():
     f = 1e-2 * jax.random.normal(jax.random.key(7), (*t.batch_shape, *t.rows_shape, RANK))
     for dtype in (jnp.float32, jnp.bfloat16):
         for decay in (None, jnp.float32(-1e-3)):
-            u = LowRankUpdate(f, 3, target=t, base_seed=1, rank=RANK, round_bf16=True, decay=decay)
+            u = LowRankUpdate(f, 3, target=t, spec=SketchSpec(rank=RANK, base_seed=1, round_bf16=True), decay=decay)
             wd = w.astype(dtype)
             got, want = optax.apply_updates(wd, u.to_dense(wd)), u.merge(wd)
             if decay is None or dtype == jnp.bfloat16:

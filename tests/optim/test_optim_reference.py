@@ -24,6 +24,7 @@ from logra_jax.optim import (
     scale_lowrank,
 )
 from logra_jax.optim.projection import layer_seed
+from logra_jax.optim.spec import SketchSpec
 
 # A stacked Flax kernel [L, in, out], a Tunix q einsum kernel [D, N, H] and a Tunix o kernel [N, H, D].
 RULES = (
@@ -276,8 +277,9 @@ def test_merge_and_to_dense_match_numpy_with_bf16_rounding_and_decay(round_bf16,
     def merge_and_dense(params, factors):
         out = {}
         for p, t in targets.items():
-            u = LowRankUpdate(factors[p], 5, target=t, base_seed=BASE, rank=RANK, distribution="rademacher",
-                              refresh=True, round_bf16=round_bf16, decay=None if decay is None else jnp.float32(decay))
+            u = LowRankUpdate(factors[p], 5, target=t, spec=SketchSpec(rank=RANK, base_seed=BASE,
+                              distribution="rademacher", refresh=True, round_bf16=round_bf16),
+                              decay=None if decay is None else jnp.float32(decay))
             out[p] = (u.merge(get(params, p)), u.to_dense(get(params, p)))
         return out
 

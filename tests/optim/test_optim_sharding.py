@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,7 +39,7 @@ def problem():
 
 
 def row_moment(state):
-    return state.inner_states["logra"].inner_state[1].row_moment["blocks"]["attn"]["q_proj"]["kernel"]
+    return optax.tree_utils.tree_get(state, "row_adam").row_moment["blocks"]["attn"]["q_proj"]["kernel"]
 
 
 @pytest.mark.parametrize("spec, row_spec", [(P(None, None, "x"), P(None, "x")), (P(None, "x", None), P())],

@@ -117,7 +117,7 @@ def test_problem_validation_and_spec_names():
     with pytest.raises(ValueError, match=r"Problem\.task"):
         Problem(task="poetry", question="?", answer="1")
     assert TaskSpec(kind="arithmetic", difficulty=3, operations="+*", seed=2).name == "arithmetic-d3-addmul-s2"
-    assert TaskSpec(kind="countdown").name.startswith("countdown-c4")
+    assert TaskSpec(kind="countdown").name.startswith("countdown-c3-n20-t100")  # the run config's defaults too
     with pytest.raises(ValueError, match="index"):
         generate_problem(TaskSpec(), -1)
 

@@ -18,7 +18,8 @@ from logra_jax import optim
 from logra_jax import sharding as shd
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import SketchSpec
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 MESHES = {"fsdp8": shd.MeshConfig(fsdp=8), "fsdp4_tensor2": shd.MeshConfig(fsdp=4, tensor=2),
@@ -54,8 +55,8 @@ def _problem(name: str):
 
     abstract = nnx.eval_shape(lambda: init_model(config, 0))
     if name == "logra_sketch_native":
-        kwargs = {"mode": "sketch_native", "targets": attach_sketch_probes(abstract, spec), "spec": spec,
-                  "round_bf16": True}
+        attach_sketch_probes(abstract, spec)
+        kwargs = {"mode": "sketch_native"}
     else:
         kwargs = {}
     graphdef = nnx.split(abstract, nnx.Param, ...)[0]

@@ -11,6 +11,7 @@ import pytest
 from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
 from logra_jax.optim.projection import target_projection
+from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import find_targets
 from logra_jax.transport.rollout_worker import RolloutWeights
 from logra_jax.transport.sync import (
@@ -46,8 +47,8 @@ def _trainer_step(params, factors, step, norm_update, *, round_bf16, decay, dens
     def leaf(path, p):
         if path in TARGETS:
             c = jnp.float32(-1e-2) if decay else None
-            return LowRankUpdate(factors[path] * 0.5, step, target=TARGETS[path], base_seed=42, rank=RANK,
-                                 round_bf16=round_bf16, decay=c)
+            return LowRankUpdate(factors[path] * 0.5, step, target=TARGETS[path],
+                                 spec=SketchSpec(rank=RANK, base_seed=42, round_bf16=round_bf16), decay=c)
         if path == NORM and dense:
             return norm_update
         return jnp.zeros_like(p)
@@ -140,7 +141,7 @@ def test_delta_carries_the_merge_rounding_and_its_size():
         assert payload.dense == {} and payload.weights == {} and payload.parent == 0
         for path, f in payload.factors.items():
             want = (0.5 * np.asarray(factors[path])).astype(dtype)  # numpy's own rounding (ml_dtypes), not XLA's
-            assert f.factor.dtype == want.dtype and f.step == 5 and f.rank == RANK
+            assert f.factor.dtype == want.dtype and f.step == 5 and f.spec.rank == RANK
             np.testing.assert_array_equal(f.factor.view(np.uint8), want.view(np.uint8))
         factor_bytes = sum(2 * RANK * t.d * t.num_slices for t in TARGETS.values()) * (1 if round_bf16 else 2)
         assert factor_bytes < payload.nbytes < factor_bytes + 2048  # the JSON header stays small

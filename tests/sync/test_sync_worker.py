@@ -14,6 +14,7 @@ from flax import nnx
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim import LowRankUpdate, apply_updates, find_targets, logra, path_str
+from logra_jax.optim.spec import SketchSpec
 from logra_jax.rl.sampler import Sampler, SamplingConfig
 from logra_jax.transport.rollout_worker import InProcessTransport, WorkerError, WorkerProcessTransport, rollout_engine
 from logra_jax.transport.sync import PolicySync, SyncReply, flat_params
@@ -131,7 +132,7 @@ def history():
             if t is None:
                 return None
             factor = 1e-2 * jax.random.normal(keys[t.path], (*t.batch_shape, *t.rows_shape, 8))
-            return LowRankUpdate(factor, count, target=t, base_seed=42, rank=8, round_bf16=True)
+            return LowRankUpdate(factor, count, target=t, spec=SketchSpec(rank=8, base_seed=42, round_bf16=True))
 
         updates = jax.tree_util.tree_map_with_path(leaf, params)
         return updates, apply_updates(params, updates)

@@ -90,14 +90,20 @@ def test_held_out_problems_are_never_trained_on(tmp_path):
     ("paper", None, True), ("nemo", None, False), ("sgd", None, True), ("nemo", True, True), ("paper", False, False),
 ])
 def test_round_bf16_defaults_to_the_variants_convention(variant, round_bf16, expected):
+    import jax
+    from flax import nnx
+
     from logra_jax.models.config import preset
     from logra_jax.models.decoder import init_model
+    from logra_jax.optim import sketch_spec
     from logra_jax.optimizers import build_optimizer
 
     run = RunConfig.from_dict({"optimizer": {"variant": variant, "round_bf16": round_bf16, "rank": 4}})
     assert run.optimizer.round_bf16 is round_bf16
-    plan = build_optimizer(run.optimizer, init_model(preset("tiny")))
-    assert plan.round_bf16 is expected  # what the sketch-native step and the merge use
+    model = init_model(preset("tiny"))
+    plan = build_optimizer(run.optimizer, model)
+    # what the sketch-native step and the merge use: the optimizer's SketchSpec, read from its state
+    assert sketch_spec(jax.eval_shape(plan.tx.init, nnx.state(model, nnx.Param))).round_bf16 is expected
 
 
 def test_round_bf16_is_none_a_bool_or_a_clear_error(monkeypatch):

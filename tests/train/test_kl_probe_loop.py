@@ -10,8 +10,8 @@ from flax import nnx
 import logra_jax.train_step as train_step_mod
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
-from logra_jax.optim import logra
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.predicted_kl import PredictedKLState
 from logra_jax.rl.objective import probe_rows
 from logra_jax.rl.sampler import Rollout
@@ -55,11 +55,11 @@ def _kl_controlled_step(undo_above=0.0):
     """A LoGRA + KL-control train step on the tiny model whose probe predicts (q_sum, 1) per update."""
     model = init_model(preset("tiny"))
     spec = SketchSpec(rank=4)
-    targets = attach_sketch_probes(model, spec)
+    attach_sketch_probes(model, spec)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = logra(4, update_ratio=1e-2, kl_control={"kl_budget": 1e-3})
-    step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native", targets=targets, spec=spec,
-                           round_bf16=True, kl_probe=KLProbeConfig(undo_above=undo_above))
+    step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native",
+                           kl_probe=KLProbeConfig(undo_above=undo_above))
     state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
     toks = jax.random.randint(jax.random.key(0), (4, 8), 1, 128)
     batch = {"tokens": toks, "attention_mask": jnp.ones_like(toks, bool), "loss_mask": jnp.ones_like(toks, bool)}
@@ -88,8 +88,8 @@ def test_refused_step_advances_no_state(monkeypatch):
         compared = 0
         for a, b in zip(old_leaves, new_leaves, strict=True):
             if is_kl(a):  # only the controller's record of the refusal moves
-                assert int(b.skipped) == int(a.skipped) + 1 and float(b.alpha) == 0.0
-                assert int(b.count) == int(a.count) and float(b.mismatch) == float(a.mismatch)
+                assert int(b.kl_skipped) == int(a.kl_skipped) + 1 and float(b.kl_alpha) == 0.0
+                assert int(b.kl_count) == int(a.kl_count) and float(b.kl_mismatch) == float(a.kl_mismatch)
             else:  # RowAdam moments, counters: unchanged bit for bit
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
                 compared += 1

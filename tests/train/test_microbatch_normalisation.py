@@ -11,7 +11,8 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.native.sketch_probes import SketchSpec, attach_sketch_probes
+from logra_jax.native.sketch_probes import attach_sketch_probes
+from logra_jax.optim import SketchSpec, scale_by_sketch
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, find_targets
 from logra_jax.rl.losses import AGGREGATIONS, LossConfig
@@ -45,9 +46,10 @@ def _step_outputs(mode, aggregation, microbatches):
         targets = attach_sketch_probes(model, spec)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     loss_fn = make_policy_loss_fn(LossConfig(policy="ppo", tis_cap=2.0, aggregation=aggregation), P)
-    step = make_train_step(graphdef, loss_fn, optax.identity(), mode=mode, microbatches=microbatches,
-                           targets=targets, spec=spec if targets else None, return_updates=True)
-    state = TrainState(params, optax.identity().init(params), jnp.zeros((), jnp.int32))
+    # sketch-native mode: scale_by_sketch passes the step's sketches through unchanged (and holds the spec)
+    tx = scale_by_sketch(spec=spec) if targets else optax.identity()
+    step = make_train_step(graphdef, loss_fn, tx, mode=mode, microbatches=microbatches, return_updates=True)
+    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
     _, metrics, updates = jax.jit(step)(state, rest, _rl_batch())
     leaves = jax.tree.leaves(updates, is_leaf=lambda x: isinstance(x, LowRankUpdate))
     grads = [np.asarray(u.factor if isinstance(u, LowRankUpdate) else u) for u in leaves]

@@ -1,0 +1,122 @@
+"""SketchSpec: the one declaration of how LoGRA sketches and merges (LOGRA.md §2–§3).
+
+Every setting that must agree between the places that draw a projection or merge a low-rank update lives here
+once: rank r, projection base seed and distribution, refresh every step, the target rules, bf16 rounding of the
+merged factor, and the kernel implementation ("xla" | "pallas", `interpret` for Pallas on CPU). Its owners:
+  - `logra(...)` / `scale_by_sketch(...)` build it from their arguments (or take one: `spec=`);
+  - every `LowRankUpdate` carries it (`update.meta.spec`), so a merge or a sync receiver regenerates exactly the
+    projections the optimizer drew;
+  - the optimizer state carries it as static data (`SketchState.spec`, no leaves), so the train step reads it
+    from the optimizer it is given (`sketch_spec(opt_state)`) instead of being told it again;
+  - sketch-native hooks (`logra_jax.native.attach_sketch_probes`) take the same object;
+  - the policy-sync payload writes its wire fields (`wire_fields`) and rebuilds it on the rollout side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from logra_jax.kernels.backend import Implementation, check_implementation, check_interpret
+from logra_jax.optim.projection import Distribution, check_nonneg_int, check_projection_args
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules
+
+# The fields a policy-sync payload carries per target (the rules stay on the trainer: the target is sent whole).
+WIRE_FIELDS = ("base_seed", "rank", "distribution", "refresh", "round_bf16", "implementation", "interpret")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SketchSpec:
+    """How targets are sketched and merged. Frozen and hashable (it is static: a jit cache key, aux data of
+    LowRankUpdate, a pytree node without leaves in the optimizer state, part of an NNX graphdef through the
+    sketch-native hooks).
+
+    Attributes:
+      rank: sketch rank r, a positive Python int (the paper's 256 by default).
+      base_seed: base of every projection seed (non-negative Python int).
+      distribution: "rademacher" (±1/√r) or "gaussian" (N(0, 1/r)).
+      refresh: fresh projections every step (True) or those of step 0 (False).
+      rules: the TargetRule sequence choosing the targets and their matrix axes (stored as a tuple).
+      round_bf16: the merged factor is rounded to bf16 (the paper's wire format) before U·A is added to W.
+      implementation: "xla" (einsums) or "pallas" (fused kernels of logra_jax.kernels) for the sketch-native
+        layer and the merge.
+      interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
+
+    Example:
+      >>> SketchSpec(rank=8, implementation="pallas", interpret=True).implementation
+      'pallas'
+    """
+
+    rank: int = 256
+    base_seed: int = 42
+    distribution: Distribution = "rademacher"
+    refresh: bool = True
+    rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES
+    round_bf16: bool = False
+    implementation: Implementation = "xla"
+    interpret: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            check_projection_args(self.rank, self.distribution)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"SketchSpec.{e}") from e
+        normal = dict(rank=int(self.rank), base_seed=check_nonneg_int("SketchSpec.base_seed", self.base_seed),
+                      refresh=bool(self.refresh), round_bf16=bool(self.round_bf16), rules=check_rules(self.rules),
+                      implementation=check_implementation(self.implementation, "SketchSpec.implementation"),
+                      interpret=check_interpret(self.interpret, "SketchSpec"))
+        for name, value in normal.items():  # frozen: normalised in place (numpy ints → int, a rule list → tuple)
+            object.__setattr__(self, name, value)
+
+    def wire_fields(self) -> dict[str, Any]:
+        """The settings a receiver needs to regenerate the projections and merge like the trainer (JSON-able;
+        `SketchSpec(**fields)` rebuilds the spec with the default rules, which a receiver given the target
+        does not use)."""
+        return {name: getattr(self, name) for name in WIRE_FIELDS}
+
+    def with_merge(self, implementation: Implementation, interpret: bool = False) -> SketchSpec:
+        """The same spec, merged (and sketched) by `implementation`."""
+        return dataclasses.replace(self, implementation=implementation, interpret=interpret)
+
+
+def build_spec(where: str, spec: SketchSpec | None = None, /, **settings: Any) -> SketchSpec:
+    """`spec`, or a SketchSpec of `settings`; an error names `where` (the factory the user called). A setting
+    that is None takes the SketchSpec default.
+
+    With `spec` given, every one of `settings` must be None (the settings are declared once: in the spec or in
+    the arguments, not in both).
+
+    Raises:
+      TypeError/ValueError: a bad setting (names `where` and the field), `spec` not a SketchSpec, or a setting
+        given beside `spec`.
+    """
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if spec is not None:
+        if not isinstance(spec, SketchSpec):
+            raise TypeError(f"{where}: spec must be a SketchSpec, got {spec!r}")
+        given = sorted(settings)
+        if given:
+            raise ValueError(f"{where}: pass the sketch settings either in spec= or as arguments, not both; got "
+                             f"spec= and {given}")
+        return spec
+    try:
+        return SketchSpec(**settings)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from e
+
+
+def sketch_spec(opt_state: Any) -> SketchSpec | None:
+    """The SketchSpec of the optimizer whose state is `opt_state` (any nesting: chain, partition,
+    inject_hyperparams, MultiSteps), None when it sketches nothing.
+
+    Raises:
+      ValueError: the state holds two different specs.
+    """
+    found = {x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SketchSpec))
+             if isinstance(x, SketchSpec)}
+    if len(found) > 1:
+        raise ValueError(f"the optimizer state holds {len(found)} different SketchSpecs: {sorted(map(str, found))}")
+    return next(iter(found), None)
