@@ -111,7 +111,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
     # The one declaration of the sketch settings: logra and the model's sketch probes take this same object.
     spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
-                      rules=DEFAULT_TARGET_RULES, round_bf16=resolve_round_bf16(cfg.round_bf16, cfg.variant),
+                      round_bf16=resolve_round_bf16(cfg.round_bf16, cfg.variant),
                       implementation=cfg.implementation, interpret=cfg.interpret)
     kl = None
     if cfg.kl_control:

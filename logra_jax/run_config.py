@@ -220,6 +220,10 @@ class AlgorithmSection:
     tis_cap: float = 2.0
     aggregation: str = "token_mean"
     kl_beta: float = 0.0
+    reward_correct: float = 1.0
+    reward_incorrect: float = -0.01
+    format_weight: float = 0.0
+    dynamic_sampling: bool = False
 
     def loss(self, max_len: int) -> LossConfig:
         """The policy loss settings (tis_cap 0 = off); max_len: the response budget T_max."""
@@ -231,10 +235,6 @@ class AlgorithmSection:
         """Keyword options of `rl.advantages.advantage_estimator` for this estimator."""
         return {"reinforce": {"momentum": self.baseline_momentum},
                 "reinforce++": {"whiten": self.whiten}}.get(self.estimator, {})
-    reward_correct: float = 1.0
-    reward_incorrect: float = -0.01
-    format_weight: float = 0.0
-    dynamic_sampling: bool = False
 
     def validate(self) -> None:
         _check_choice("algorithm", "estimator", self.estimator, tuple(ESTIMATORS))
@@ -341,12 +341,12 @@ class TrainSection:
     mesh_data: int = 1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
+    resume_step: int = -1
+    resume_fallback: bool = False
 
     def mesh(self) -> MeshConfig:
         """The (data, fsdp, tensor) mesh shape."""
         return MeshConfig(self.mesh_data, self.mesh_fsdp, self.mesh_tensor)
-    resume_step: int = -1
-    resume_fallback: bool = False
 
     def validate(self) -> None:
         _check_range("train", "steps", self.steps, 1)

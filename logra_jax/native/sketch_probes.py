@@ -141,10 +141,9 @@ def check_probes_match(model: nnx.Module, spec: SketchSpec) -> None:
     """Raise ValueError unless every sketch probe hook of `model` draws its projections like `spec` (rank, base
     seed, distribution, refresh): the optimizer's spec, which builds the step's LowRankUpdates, and the hooks,
     which sketched the gradient, must draw the same A."""
-    draw = lambda s: (s.rank, s.base_seed, s.distribution, s.refresh)
     for path, module in nnx.iter_modules(model):
         hook = getattr(module, "lowrank_hook", None)
-        if hook is not None and draw(hook.spec) != draw(spec):
+        if hook is not None and not hook.spec.draws_like(spec):
             raise ValueError(f"the sketch probes of {'.'.join(map(str, path))} were attached with {hook.spec}, the "
                              f"optimizer sketches with {spec}: attach them with the optimizer's spec "
                              "(attach_sketch_probes(model, spec); logra(spec=spec))")

@@ -246,8 +246,7 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
       dense_updates: False (default): target updates are LowRankUpdate leaves for `logra_jax.optim.apply_updates`;
         True: dense float32 ΔW arrays (`densify_lowrank`) for optax.apply_updates / nnx.Optimizer, after which
         any optax transform may follow. The optimizer state is the same either way.
-      spec: the sketch settings as one SketchSpec (then leave the arguments above that it holds at their
-        defaults; round_bf16 None).
+      spec: the sketch settings as one SketchSpec (then leave the arguments above that it holds None).
 
     Returns:
       An optax.GradientTransformationExtraArgs (an optax.partition, then densify_lowrank when dense_updates; extra

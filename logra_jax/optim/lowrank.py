@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from logra_jax.kernels.backend import Implementation, check_kernel_settings
+from logra_jax.kernels.backend import Implementation
 from logra_jax.kernels.merge import merge as merge_kernel
 from logra_jax.optim.projection import digest_words, key_from_digest, projection
 from logra_jax.optim.spec import SketchSpec
@@ -154,9 +154,11 @@ class LowRankUpdate:
         Raises:
           ValueError: an unknown implementation; TypeError: a non-bool interpret.
         """
-        implementation, interpret = check_kernel_settings(implementation, interpret,
-                                                          f"LowRankUpdate for {self.meta.target.path}")
-        meta = LowRankMeta(self.meta.target, self.spec.with_merge(implementation, interpret))
+        try:
+            spec = self.spec.with_merge(implementation, interpret)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"LowRankUpdate for {self.meta.target.path}: {e}") from e
+        meta = LowRankMeta(self.meta.target, spec)
         return LowRankUpdate.tree_unflatten(meta, (self.factor, self.step, self.decay))
 
     def check_step(self) -> None:

@@ -110,7 +110,6 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
     spec = build_spec("scale_by_sketch", spec, rank=rank, base_seed=base_seed, distribution=distribution,
                       refresh=refresh, rules=rules, round_bf16=round_bf16, implementation=implementation,
                       interpret=interpret)
-    draw = spec.with_merge("xla")  # what an incoming sketch must agree on (how it merges is this transform's call)
 
     def init_fn(params: Any) -> SketchState:
         check_rank_fits(find_targets(params, spec.rules), spec.rank)
@@ -125,7 +124,8 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
 
         def one(keypath: Any, g: Any) -> Any:
             if isinstance(g, LowRankUpdate):
-                if g.spec.with_merge("xla") != draw:
+                # it must draw the same A and round alike; how it merges is this transform's call
+                if not g.spec.draws_like(spec) or g.spec.round_bf16 != spec.round_bf16:
                     raise ValueError(f"scale_by_sketch: incoming LowRankUpdate for {g.target.path} has spec "
                                      f"{g.spec}, this transform has {spec}")
                 matched.append(g.target.path)

@@ -15,6 +15,7 @@ merged factor, and the kernel implementation ("xla" | "pallas", `interpret` for 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -23,6 +24,8 @@ from logra_jax.kernels.backend import Implementation, check_implementation, chec
 from logra_jax.optim.projection import Distribution, check_nonneg_int, check_projection_args
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules
 
+# The fields that select the projections A: two specs that agree on them draw the same A for a target and step.
+DRAW_FIELDS = ("rank", "base_seed", "distribution", "refresh")
 # The fields a policy-sync payload carries per target (the rules stay on the trainer: the target is sent whole).
 WIRE_FIELDS = ("base_seed", "rank", "distribution", "refresh", "round_bf16", "implementation", "interpret")
 
@@ -71,11 +74,23 @@ class SketchSpec:
         for name, value in normal.items():  # frozen: normalised in place (numpy ints → int, a rule list → tuple)
             object.__setattr__(self, name, value)
 
+    def draws_like(self, other: SketchSpec) -> bool:
+        """Whether `other` draws the same projections (DRAW_FIELDS equal), however either rounds or merges."""
+        return all(getattr(self, name) == getattr(other, name) for name in DRAW_FIELDS)
+
     def wire_fields(self) -> dict[str, Any]:
         """The settings a receiver needs to regenerate the projections and merge like the trainer (JSON-able;
-        `SketchSpec(**fields)` rebuilds the spec with the default rules, which a receiver given the target
-        does not use)."""
+        `from_wire` inverts it)."""
         return {name: getattr(self, name) for name in WIRE_FIELDS}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> SketchSpec:
+        """The spec `wire_fields` wrote (with the default rules, which a receiver given the target does not use).
+
+        Raises:
+          KeyError: a wire field is missing; TypeError/ValueError: a field SketchSpec rejects.
+        """
+        return cls(**{name: fields[name] for name in WIRE_FIELDS})
 
     def with_merge(self, implementation: Implementation, interpret: bool = False) -> SketchSpec:
         """The same spec, merged (and sketched) by `implementation`."""

@@ -221,12 +221,9 @@ class SyncPayload:
                 raise PayloadError(f"not a {FORMAT} payload: format {meta['format']!r}, kind {meta['kind']!r}")
             factors = {}
             for p, m in meta["targets"].items():
-                spec = SketchSpec(rank=int(m["rank"]), base_seed=int(m["base_seed"]),
-                                  distribution=str(m["distribution"]), refresh=bool(m["refresh"]),
-                                  round_bf16=bool(m["round_bf16"]), implementation=str(m["implementation"]),
-                                  interpret=bool(m["interpret"]))
                 factors[p] = TargetFactor(
-                    factor=arrays[f"factor/{p}"], decay=arrays.get(f"decay/{p}"), step=int(m["step"]), spec=spec,
+                    factor=arrays[f"factor/{p}"], decay=arrays.get(f"decay/{p}"), step=int(m["step"]),
+                    spec=SketchSpec.from_wire(m),
                     shape=tuple(m["shape"]), rows=tuple(m["rows"]), width=tuple(m["width"]))
             pick = lambda prefix: {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
             return cls(kind=meta["kind"], version=int(meta["version"]), parent=meta["parent"], factors=factors,

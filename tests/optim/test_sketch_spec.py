@@ -46,6 +46,14 @@ def test_spec_validates_and_normalises():
     assert SketchSpec(rank=4).wire_fields() == {"base_seed": 42, "rank": 4, "distribution": "rademacher",
                                                 "refresh": True, "round_bf16": False, "implementation": "xla",
                                                 "interpret": False}
+    custom = SketchSpec(rank=4, base_seed=9, round_bf16=True, rules=(TargetRule(r"x$"),))
+    assert SketchSpec.from_wire(custom.wire_fields()) == dataclasses.replace(custom, rules=SketchSpec().rules)
+    with pytest.raises(KeyError, match="interpret"):
+        SketchSpec.from_wire({k: v for k, v in custom.wire_fields().items() if k != "interpret"})
+    # the same projections whatever the rounding, kernel or rules; another seed or refresh draws other ones
+    assert custom.draws_like(SketchSpec(rank=4, base_seed=9, implementation="pallas", interpret=True))
+    assert not custom.draws_like(dataclasses.replace(custom, base_seed=10))
+    assert not custom.draws_like(dataclasses.replace(custom, refresh=False))
 
 
 def test_settings_are_given_once():
