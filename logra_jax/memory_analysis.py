@@ -24,7 +24,7 @@ from logra_jax.optimizers import build_optimizer
 from logra_jax.rl.losses import LossConfig
 from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, rl_batch_shapes
 from logra_jax.run_config import OptimizerSection
-from logra_jax.train_step import TrainState, make_train_step
+from logra_jax.train_step import TrainState, make_train_step, step_shardings
 
 
 def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]], abstract_batch: Any,
@@ -58,8 +58,7 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       (True, True)
     """
     abstract_state, abstract_rest = jax.eval_shape(init_fn)
-    state_sh = shd.train_state_shardings(abstract_state, mesh, rules)
-    rest_sh = shd.param_shardings(abstract_rest, mesh, rules, sources=abstract_state.params)
+    state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh, rules)
     batch_sh = shd.batch_shardings(abstract_batch, mesh, rules)
     jitted = shd.jit_train_step(step, mesh, rules, in_shardings=(state_sh, rest_sh, batch_sh),
                                 out_shardings=(state_sh, shd.replicated(mesh)), compiler_options=compiler_options)

@@ -250,6 +250,12 @@ class AlgorithmSection:
         _check_range("algorithm", "kl_beta", self.kl_beta, 0.0)
 
 
+# The optimizers `logra_jax.optimizers.build_optimizer` builds from this section, and what LoGRA does with the
+# parameters it does not target: the config's own vocabulary (no module below owns these names).
+OPTIMIZER_NAMES = ("logra", "adamw", "galore", "adafactor", "row_adam")
+NON_TARGET_CHOICES = ("frozen", "adamw")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
     """name: "logra" | "adamw" | "galore" | "adafactor" | "row_adam". AdamW/GaLore use learning_rate, weight_decay
@@ -295,14 +301,14 @@ class OptimizerSection:
     interpret: bool = _SKETCH_SPEC.interpret
 
     def validate(self) -> None:
-        _check_choice("optimizer", "name", self.name, ("logra", "adamw", "galore", "adafactor", "row_adam"))
+        _check_choice("optimizer", "name", self.name, OPTIMIZER_NAMES)
         if self.targets_only and self.name != "adamw":
             _fail("optimizer.targets_only", self.targets_only, "is an AdamW option (optimizer.name='adamw')")
         _check_choice("optimizer", "implementation", self.implementation, IMPLEMENTATIONS)
         _check_choice("optimizer", "variant", self.variant, ROW_ADAM_VARIANTS)
         _check_choice("optimizer", "ratio_scope", self.ratio_scope, SCOPES)
         _check_choice("optimizer", "distribution", self.distribution, DISTRIBUTIONS)
-        _check_choice("optimizer", "non_targets", self.non_targets, ("frozen", "adamw"))
+        _check_choice("optimizer", "non_targets", self.non_targets, NON_TARGET_CHOICES)
         _check_range("optimizer", "learning_rate", self.learning_rate, 0.0, lo_open=True)
         _check_range("optimizer", "weight_decay", self.weight_decay, 0.0)
         _check_range("optimizer", "grad_clip", self.grad_clip, 0.0)

@@ -3,7 +3,9 @@
 A (data, fsdp, tensor) mesh with Auto axis types (GSPMD propagation). Parameters carry logical axis names in
 their `axes` metadata; a rules table maps them to mesh axes (`logical_to_spec`). All other shardings are derived
 by pure functions: `param_shardings` (metadata; sketch probes follow their kernel's rows), `opt_state_shardings`
-(each state leaf follows the parameter its path ends with, through `derive_spec`), `batch_shardings`.
+(each state leaf follows the parameter its path ends with: by the LoGRA target's declared dims when the caller
+passes the targets, `logra_jax.optim.spec.state_targets`, else by size; one `derived_specs.follow_spec` under
+both), `batch_shardings`.
 Activations are constrained with `constrain(x, logical_axes)` while `use_rules` is active, which
 `jit_train_step` arranges while it jits with in/out shardings and donation. `init_sharded` creates state in its
 shardings (eval_shape → shardings → jit(out_shardings)).
@@ -11,8 +13,9 @@ shardings (eval_shape → shardings → jit(out_shardings)).
 Typical use, with init_fn() -> (TrainState, rest) and a step from logra_jax.train_step (run end to end by
 tests/sharding/test_sharded_step.py and tests/sharding/multihost_worker.py):
   mesh = make_mesh(MeshConfig(data=2, fsdp=4))
-  (state, rest), (state_sh, rest_sh) = init_sharded(init_fn, lambda s: (
-      train_state_shardings(s[0], mesh), param_shardings(s[1], mesh, sources=s[0].params)))
+  (state, rest), (state_sh, rest_sh) = init_sharded(init_fn, lambda s: step_shardings(*s, mesh))
+                          # logra_jax.train_step.step_shardings: train_state_shardings + param_shardings, with
+                          # the optimizer's LoGRA targets (logra_jax.optim.state_targets) as declared layouts
   step = jit_train_step(step_fn, mesh, in_shardings=(state_sh, rest_sh, batch_shardings(batch, mesh)),
                         out_shardings=(state_sh, replicated(mesh)))
   state, metrics = step(state, rest, jax.device_put(batch, batch_shardings(batch, mesh)))
@@ -29,16 +32,16 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from logra_jax.derived_specs import MeshAxes, as_tuple, derive_spec, entry
 from logra_jax.tree_paths import path_keys
 
 T = TypeVar("T")
-MeshAxes = str | tuple[str, ...] | None
 LogicalRules = Sequence[tuple[str, MeshAxes]]
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -124,16 +127,6 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
-    if mesh_axes is None:
-        return ()
-    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-
-
-def _entry(group: Sequence[str]) -> MeshAxes:
-    return None if not group else group[0] if len(group) == 1 else tuple(group)
-
-
 def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules, *, shape: Sequence[int] | None = None,
                     mesh: Mesh | None = None) -> PartitionSpec:
     """PartitionSpec for logical `axes` under `rules`.
@@ -172,14 +165,14 @@ def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules, *, shape: S
         seen.add(name)
         for dim in (d for d, a in enumerate(axes) if a == name):
             product = 1
-            for a in _as_tuple(mesh_axes):
+            for a in as_tuple(mesh_axes):
                 if a in used or (shape is not None and shape[dim] % (product * mesh.shape[a])):
                     continue
                 groups[dim].append(a)
                 used.add(a)
                 if shape is not None:
                     product *= mesh.shape[a]
-    spec = [_entry(g) for g in groups]
+    spec = [entry(g) for g in groups]
     return PartitionSpec(*spec)
 
 
@@ -223,61 +216,9 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _match_dims(shape: tuple[int, ...], source: tuple[int, ...]) -> tuple[int | None, ...]:
-    """Order-preserving map of `shape`'s dims onto equal-sized dims of `source` (None: unmatched).
-
-    Most matched dims wins; among equals, later source dims (weight rows are last in the Flax layout).
-    """
-
-    @functools.cache
-    def best(i: int, j: int) -> tuple[tuple[int, int], tuple[int | None, ...]]:
-        if i == len(shape):
-            return (0, 0), ()
-        (n, pos), rest = best(i + 1, j)
-        options = [((n, pos), (None, *rest))]
-        for jj in range(j, len(source)):
-            if source[jj] == shape[i] and shape[i] > 1:
-                (n, pos), rest = best(i + 1, jj + 1)
-                options.append(((n + 1, pos + jj), (jj, *rest)))
-        return max(options, key=lambda option: option[0])
-
-    return best(0, 0)[1]
-
-
-def derive_spec(shape: Sequence[int], source_shape: Sequence[int], source_spec: PartitionSpec,
-                mesh: Mesh) -> PartitionSpec:
-    """Sharding of a leaf derived from a parameter: same spec on matching dims, same total shard count.
-
-    Dims of `shape` are matched in order to equal-sized dims of the source parameter (`_match_dims`) and keep
-    their mesh axes; mesh axes of unmatched source dims (e.g. the fsdp-sharded width a row moment reduces over)
-    are moved onto dims of the leaf they divide (last matched dims first), so the leaf is split as finely as
-    its parameter.
-
-    Example (a sketch [L, d, r] of a kernel [L, k, d] sharded (None, 'fsdp', 'tensor')):
-      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-      >>> derive_spec((2, 8, 4), (2, 6, 8), PartitionSpec(None, "fsdp", "tensor"), mesh)
-      P(None, ('tensor', 'fsdp'), None)
-    """
-    shape, source_shape = tuple(shape), tuple(source_shape)
-    source = tuple(source_spec) + (None,) * (len(source_shape) - len(source_spec))
-    if shape == source_shape:
-        return PartitionSpec(*source)
-    match = _match_dims(shape, source_shape)
-    groups = [list(_as_tuple(source[j])) if j is not None else [] for j in match]
-    leftover = [a for j, entry in enumerate(source) if j not in match for a in _as_tuple(entry)]
-    # Last matched dims first (rows, not the stacked-layers axis a scan slices), then new dims (the rank).
-    order = [i for i, j in reversed(list(enumerate(match))) if j is not None] + [
-        i for i, j in enumerate(match) if j is None]
-    for axis in leftover:
-        for i in order:
-            if shape[i] % (math.prod(mesh.shape[a] for a in groups[i]) * mesh.shape[axis]) == 0:
-                groups[i].append(axis)
-                break
-    return PartitionSpec(*(_entry(g) for g in groups))
-
-
 def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, *,
-                    derived: Mapping[str, str] | None = None, sources: Any = None) -> T:
+                    derived: Mapping[str, str] | None = None, sources: Any = None,
+                    targets: Mapping[str, DeclaredLayout] | None = None) -> T:
     """NamedShardings for an nnx.State (or any tree of nnx.Variables) from each Variable's `axes` metadata.
 
     Args:
@@ -285,11 +226,13 @@ def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT
         or whose `axes` do not match their rank, are replicated.
       mesh: the device mesh.
       rules: logical → mesh axes.
-      derived: {variable name: sibling name}: such variables take `derive_spec` of their sibling's sharding
-        instead of their own metadata. Default {"sketch_probe": "kernel"}: a LoGRA probe [L, d, r] is split
+      derived: {variable name: sibling name}: such variables follow their sibling's sharding instead of their
+        own metadata (`derived_spec`). Default {"sketch_probe": "kernel"}: a LoGRA probe [L, d, r] is split
         like its kernel's rows and as finely as the kernel.
       sources: another tree of Variables where siblings are looked up too (the params, when `abstract_state`
         is the non-Param `rest` holding the probes).
+      targets: {canonical parameter path: declared layout} (`logra_jax.optim.spec.state_targets`): a sibling
+        that is a target lays its derived variables out by its declared dims.
 
     Returns:
       The same tree with NamedShardings in place of the arrays (usable as jit in/out shardings).
@@ -319,24 +262,48 @@ def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT
         sibling = (*path[:-1], derived.get(path[-1], "")) if path else ()
         if path and path[-1] in derived and sibling in by_path:
             source = by_path[sibling]
-            spec = derive_spec(var.shape, source.shape, own_spec(source), mesh)
+            spec = derived_spec(var.shape, ".".join(sibling), source.shape, own_spec(source), mesh, targets)
         out = NamedSharding(mesh, spec)
         return var.replace(value=out) if is_var(var) else out
 
     return jax.tree_util.tree_map_with_path(sharding, abstract_state, is_leaf=is_var)
 
 
-def opt_state_shardings(abstract_opt_state: T, params_shardings: Any, abstract_params: Any) -> T:
+class DeclaredLayout(Protocol):
+    """A parameter that declares how its derived state is laid out (`logra_jax.optim.targets.Target`)."""
+
+    def state_spec(self, shape: Sequence[int], weight_spec: PartitionSpec, mesh: Mesh) -> PartitionSpec | None:
+        """The PartitionSpec of derived state of `shape`, or None when the layout is not one it declares."""
+
+
+def derived_spec(shape: Sequence[int], path: str, source_shape: Sequence[int], source_spec: PartitionSpec,
+                 mesh: Mesh, targets: Mapping[str, DeclaredLayout] | None = None) -> PartitionSpec:
+    """PartitionSpec of an array derived from the parameter at `path` (its optimizer state, its sketch probe).
+
+    The parameter's declared layout (`targets[path].state_spec`) when it has one for `shape`; otherwise the
+    layout inferred by size (`logra_jax.derived_specs.derive_spec`: the parameter's own shape takes its spec,
+    a reduced shape such as adafactor's factored moments follows the equal-sized dims). Both end in the same
+    `follow_spec`.
+    """
+    layout = (targets or {}).get(path)
+    spec = None if layout is None else layout.state_spec(shape, source_spec, mesh)
+    return derive_spec(shape, source_shape, source_spec, mesh) if spec is None else spec
+
+
+def opt_state_shardings(abstract_opt_state: T, params_shardings: Any, abstract_params: Any,
+                        targets: Mapping[str, DeclaredLayout] | None = None) -> T:
     """NamedShardings for an optimizer state, derived from the parameters' shardings.
 
     A state leaf whose path ends with a parameter's path (optax moments: `mu.blocks.attn.q_proj.kernel`; state
-    keyed by canonical path strings works too) takes `derive_spec` of that parameter's sharding; every other
-    leaf (step counts, scalars) is replicated.
+    keyed by canonical path strings works too) follows that parameter (`derived_spec`: by the target's declared
+    dims when `targets` has it, by size otherwise); every other leaf (step counts, scalars) is replicated.
 
     Args:
       abstract_opt_state: the state from `jax.eval_shape(tx.init, params)` (or a real state).
       params_shardings: the parameters' NamedShardings (`param_shardings`).
       abstract_params: the parameters (for their shapes), same structure as `params_shardings`.
+      targets: {canonical parameter path: declared layout}, e.g. the LoGRA targets of the optimizer
+        (`logra_jax.optim.spec.state_targets(abstract_opt_state, abstract_params)`); None: infer every layout.
 
     Returns:
       The optimizer state's tree with NamedShardings as leaves.
@@ -363,19 +330,21 @@ def opt_state_shardings(abstract_opt_state: T, params_shardings: Any, abstract_p
     def sharding(keypath: Any, leaf: Any) -> NamedSharding:
         path = path_keys(keypath)
         for start in range(len(path)):
-            hit = index.get(".".join(path[start:]))
+            name = ".".join(path[start:])
+            hit = index.get(name)
             if hit is not None and getattr(leaf, "ndim", 0) > 0:
-                return NamedSharding(mesh, derive_spec(leaf.shape, hit[0], hit[1].spec, mesh))
+                return NamedSharding(mesh, derived_spec(leaf.shape, name, hit[0], hit[1].spec, mesh, targets))
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree_util.tree_map_with_path(sharding, abstract_opt_state)
 
 
-def train_state_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> T:
+def train_state_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES,
+                          targets: Mapping[str, DeclaredLayout] | None = None) -> T:
     """Shardings of a TrainState-like NamedTuple (params, opt_state, step).
 
-    params: `param_shardings` (metadata); opt_state: `opt_state_shardings` (derived from the params); step:
-    replicated.
+    params: `param_shardings` (metadata); opt_state: `opt_state_shardings` (derived from the params, by the
+    declared layouts of `targets` where given); step: replicated.
 
     Raises:
       TypeError: `abstract_state` is not a NamedTuple with fields params, opt_state and step.
@@ -385,7 +354,8 @@ def train_state_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = D
                         f"{type(abstract_state).__name__}")
     params = param_shardings(abstract_state.params, mesh, rules)
     return abstract_state._replace(
-        params=params, opt_state=opt_state_shardings(abstract_state.opt_state, params, abstract_state.params),
+        params=params,
+        opt_state=opt_state_shardings(abstract_state.opt_state, params, abstract_state.params, targets),
         step=NamedSharding(mesh, PartitionSpec()))
 
 

@@ -72,13 +72,11 @@ from logra_jax.sharding import (
     jit_train_step,
     local_rows,
     make_mesh,
-    param_shardings,
     process_rows,
     replicated,
     to_global,
-    train_state_shardings,
 )
-from logra_jax.train_step import TrainState, make_train_step
+from logra_jax.train_step import TrainState, make_train_step, step_shardings
 from logra_jax.transport.rollout_worker import rollout_engine
 from logra_jax.transport.sync import PolicySync, flat_params
 
@@ -317,8 +315,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     # multi-process run it spans every process's devices and each process holds its own shards.
     mesh = make_mesh(run.train.mesh(),
                      jax.devices()[:run.train.mesh_data * run.train.mesh_fsdp * run.train.mesh_tensor])
-    state_sh = train_state_shardings(state, mesh)
-    rest_sh = param_shardings(rest, mesh, sources=state.params)
+    state_sh, rest_sh = step_shardings(state, rest, mesh)
     state, rest = to_global(state, state_sh), to_global(rest, rest_sh)
     est_state = to_global(estimator.init(), replicated(mesh))
     n_rows = run.rollout.prompts_per_step * run.rollout.num_samples

@@ -24,15 +24,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from logra_jax.native.kl_probe import make_kl_probe, realised_kl
 from logra_jax.native.sketch_probes import SketchProbe, check_probes_match, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
 from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where
-from logra_jax.optim.spec import sketch_spec
+from logra_jax.optim.spec import sketch_spec, state_targets
 from logra_jax.optim.targets import find_targets
 from logra_jax.rl.losses import LOSS_DENOMINATOR
+from logra_jax.sharding import DEFAULT_RULES, LogicalRules, param_shardings, train_state_shardings
 from logra_jax.tree_paths import path_str
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mapping[str, jax.Array]]]
@@ -125,6 +127,28 @@ def accumulate_grads(value_and_grad: Callable[[Mapping[str, jax.Array]], tuple[t
 
 def _flat(state: Any) -> dict[str, jax.Array]:
     return {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def step_shardings(abstract_state: TrainState, abstract_rest: Any, mesh: Mesh,
+                   rules: LogicalRules = DEFAULT_RULES) -> tuple[TrainState, Any]:
+    """The shardings of a train step's state and `rest` (the model's non-Param state: sketch probes) on `mesh`.
+
+    Parameters from their logical-axis metadata; the optimizer state and the sketch probes follow their
+    parameters, the optimizer's LoGRA targets (`state_targets`, read from the state's SketchSpec) by their
+    declared dims — the same `Target.state_spec` an eager `init` on sharded parameters places row moments by —
+    and every other leaf by size (`logra_jax.sharding.opt_state_shardings`).
+
+    Args:
+      abstract_state: the TrainState (arrays or ShapeDtypeStructs, e.g. from `jax.eval_shape(init_fn)`).
+      abstract_rest: the non-Param model state.
+      mesh, rules: the mesh and the logical-axis rules.
+
+    Returns:
+      (state shardings, rest shardings), trees of NamedShardings for `jit_train_step`'s in/out shardings.
+    """
+    targets = state_targets(abstract_state.opt_state, abstract_state.params)
+    return (train_state_shardings(abstract_state, mesh, rules, targets=targets),
+            param_shardings(abstract_rest, mesh, rules, sources=abstract_state.params, targets=targets))
 
 
 def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *,

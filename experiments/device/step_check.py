@@ -165,6 +165,7 @@ def child(name: str, smoke: bool, steps: int, emit: Any) -> dict[str, Any]:
 
     from logra_jax import sharding as shd
     from logra_jax.memory_analysis import build_rl_step, contender_sections
+    from logra_jax.train_step import step_shardings
 
     s = settings(smoke)
     device = jax.local_devices()[0]
@@ -183,8 +184,7 @@ def child(name: str, smoke: bool, steps: int, emit: Any) -> dict[str, Any]:
     init, step, abstract_batch = build_rl_step(config, section, 1, seq_len=s["seq_len"], prompt_len=s["prompt_len"],
                                                logprob_chunk=s["logprob_chunk"])
     abstract_state, abstract_rest = jax.eval_shape(init)
-    state_sh = shd.train_state_shardings(abstract_state, mesh)
-    rest_sh = shd.param_shardings(abstract_rest, mesh, sources=abstract_state.params)
+    state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh)
     batch_sh = shd.batch_shardings(abstract_batch, mesh)
     jitted = shd.jit_train_step(step, mesh, in_shardings=(state_sh, rest_sh, batch_sh),
                                 out_shardings=(state_sh, shd.replicated(mesh)))

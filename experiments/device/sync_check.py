@@ -103,6 +103,7 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
     from logra_jax.optim.lowrank import is_lowrank
     from logra_jax.optimizers import build_optimizer
     from logra_jax.rl.sampler import SamplingConfig
+    from logra_jax.train_step import step_shardings
     from logra_jax.transport.rollout_worker import InProcessTransport
     from logra_jax.transport.sync import PolicySync, flat_params
 
@@ -131,8 +132,7 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
     init, step, abstract_batch = build_rl_step(config, section, 1, seq_len=s["seq_len"], prompt_len=s["prompt_len"],
                                                logprob_chunk=s["logprob_chunk"], return_updates=True)
     t0 = time.perf_counter()
-    (state, rest), (state_sh, rest_sh) = shd.init_sharded(init, lambda a: (
-        shd.train_state_shardings(a[0], mesh), shd.param_shardings(a[1], mesh, sources=a[0].params)))
+    (state, rest), (state_sh, rest_sh) = shd.init_sharded(init, lambda a: step_shardings(*a, mesh))
     jax.block_until_ready(state)
     batch_sh = shd.batch_shardings(abstract_batch, mesh)
     step_fn = shd.jit_train_step(step, mesh, in_shardings=(state_sh, rest_sh, batch_sh),

@@ -31,7 +31,7 @@ from logra_jax.optim.predicted_kl import PredictedKLState, kl_budget_schedule, s
 from logra_jax.optim.projection import DISTRIBUTIONS, projection, slice_projections, target_projection
 from logra_jax.optim.row_adam import VARIANTS, RowAdamState, row_adam_direction, scale_by_row_adam
 from logra_jax.optim.sketch import SketchState, scale_by_sketch
-from logra_jax.optim.spec import SketchSpec, sketch_spec
+from logra_jax.optim.spec import SketchSpec, sketch_spec, state_targets
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
     MatrixDims,
@@ -83,6 +83,7 @@ __all__ = [
     "scale_lowrank",
     "sketch_spec",
     "slice_projections",
+    "state_targets",
     "target_labels",
     "target_projection",
     "update_ratio_factor",

@@ -22,7 +22,7 @@ import jax
 
 from logra_jax.kernels.backend import Implementation, check_implementation, check_interpret
 from logra_jax.optim.projection import Distribution, check_nonneg_int, check_projection_args
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, TargetRule, check_rules, find_targets
 
 # The fields that select the projections A: two specs that agree on them draw the same A for a target and step.
 DRAW_FIELDS = ("rank", "base_seed", "distribution", "refresh")
@@ -135,3 +135,24 @@ def sketch_spec(opt_state: Any) -> SketchSpec | None:
     if len(found) > 1:
         raise ValueError(f"the optimizer state holds {len(found)} different SketchSpecs: {sorted(map(str, found))}")
     return next(iter(found), None)
+
+
+def state_targets(opt_state: Any, params: Any) -> dict[str, Target]:
+    """{canonical path: Target} of the parameters the optimizer whose state is `opt_state` sketches ({} when it
+    sketches nothing): the declared layouts its per-target state is sharded by
+    (`logra_jax.sharding.opt_state_shardings(..., targets=)`, the same `Target.state_spec` an eager `init` on
+    sharded parameters places the row moments by).
+
+    Args:
+      opt_state: the optimizer's state, real or abstract (`jax.eval_shape(tx.init, params)`).
+      params: the parameters it was initialised on (arrays or ShapeDtypeStructs).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from logra_jax.optim import logra
+      >>> params = {"q_proj": {"kernel": jnp.zeros((8, 4))}, "norm": jnp.zeros(4)}
+      >>> list(state_targets(logra(rank=2).init(params), params))
+      ['q_proj.kernel']
+    """
+    spec = sketch_spec(opt_state)
+    return {} if spec is None else find_targets(params, spec.rules)

@@ -23,8 +23,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from logra_jax.derived_specs import follow_spec
 from logra_jax.tree_paths import path_keys
 
 
@@ -110,8 +111,6 @@ class Target:
       ...                  DEFAULT_TARGET_RULES)
       >>> t.batch_shape, t.rows_shape, t.k, t.slice_paths[1]
       ((28,), (512,), 3584, 'blocks.q_proj.kernel.1')
-      >>> tuple(t.row_spec(PartitionSpec(None, "fsdp", "tensor")))
-      (None, 'tensor')
     """
 
     path: str
@@ -168,14 +167,33 @@ class Target:
         pick = lambda axes: "".join(letters[a] for a in axes)
         return (letters[:len(self.shape)], pick(self.batch_axes), pick(self.dims.rows), pick(self.dims.width))
 
-    def row_spec(self, weight_spec: PartitionSpec) -> PartitionSpec:
-        """PartitionSpec of a per-row quantity (*batch_shape, *rows_shape) given the kernel's PartitionSpec."""
-        spec = tuple(weight_spec) + (None,) * (len(self.shape) - len(weight_spec))
-        return PartitionSpec(*(spec[a] for a in self.batch_axes + self.dims.rows))
+    def state_spec(self, shape: Sequence[int], weight_spec: PartitionSpec, mesh: Mesh) -> PartitionSpec | None:
+        """PartitionSpec of this target's state of `shape` on `mesh`, given the kernel's PartitionSpec: the one
+        derivation of optimizer-state (and sketch-probe) sharding from the declared dims.
 
-    def sketch_spec(self, weight_spec: PartitionSpec) -> PartitionSpec:
-        """PartitionSpec of the sketch/factor (*batch_shape, *rows_shape, r) given the kernel's PartitionSpec."""
-        return PartitionSpec(*self.row_spec(weight_spec), None)
+        The kernel's own shape takes its spec. Per-row state (*batch_shape, *rows_shape, *own dims: the row
+        moment, a sketch, a factor, a sketch probe) keeps the batch and row axes' mesh axes, and the width's mesh
+        axes move onto the rows (then the batch axes, then the own dims) where they divide
+        (`logra_jax.derived_specs.follow_spec`), so the state is split as finely as the kernel: the same spec
+        eagerly (`place_rows`) and under jit (`logra_jax.sharding.opt_state_shardings`).
+
+        Returns:
+          The PartitionSpec, or None when `shape` is neither the kernel's nor laid out per row.
+
+        Example (a row moment [L, d] of a kernel [L, k, d] sharded (None, 'fsdp', 'tensor')):
+          >>> mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), devices=jax.devices()[:1])
+          >>> t = match_target("q_proj.kernel", ("q_proj", "kernel"), (2, 6, 8), DEFAULT_TARGET_RULES)
+          >>> t.state_spec((2, 8), PartitionSpec(None, "fsdp", "tensor"), mesh)
+          P(None, ('tensor', 'fsdp'))
+        """
+        shape = tuple(shape)
+        if shape == self.shape:
+            return PartitionSpec(*weight_spec, *(None,) * (len(self.shape) - len(weight_spec)))
+        lead = self.batch_axes + self.dims.rows
+        if shape[:len(lead)] != (*self.batch_shape, *self.rows_shape):
+            return None
+        match = lead + (None,) * (len(shape) - len(lead))
+        return follow_spec(shape, weight_spec, len(self.shape), match, mesh)
 
 
 def _rules_text(rules: Sequence[TargetRule]) -> str:
@@ -308,16 +326,17 @@ def _named_sharding(x: Any) -> NamedSharding | None:
 
 
 def place_rows(x: jax.Array, target: Target, weight: Any) -> jax.Array:
-    """Place per-row state x (*batch_shape, *rows_shape) like the rows of `weight` (the target's kernel).
+    """Place per-row state x (*batch_shape, *rows_shape, ...) of `target` by `Target.state_spec` of `weight`'s
+    sharding (the target's kernel).
 
     Only concrete weights carrying a NamedSharding are followed (an eager `init` on sharded parameters); under
-    jit or eval_shape `x` is returned unchanged and its sharding comes from the caller's out_shardings (derive
-    them with `Target.row_spec`).
+    jit or eval_shape `x` is returned unchanged and its sharding comes from the caller's out_shardings
+    (`logra_jax.sharding.opt_state_shardings` with the targets, which uses the same `Target.state_spec`).
     """
     sharding = _named_sharding(weight)
     if sharding is None:
         return x
-    return jax.device_put(x, NamedSharding(sharding.mesh, target.row_spec(sharding.spec)))
+    return jax.device_put(x, NamedSharding(sharding.mesh, target.state_spec(x.shape, sharding.spec, sharding.mesh)))
 
 
 def place_replicated(x: jax.Array, params: Any) -> jax.Array:

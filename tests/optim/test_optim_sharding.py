@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from logra_jax.optim import apply_updates, logra
+from logra_jax.optim import apply_updates, logra, state_targets
+from logra_jax.sharding import opt_state_shardings
 
 L, K, D, RANK = 2, 16, 32, 4  # stacked Flax kernel [L, in=k, out=d]
 
@@ -42,7 +43,9 @@ def row_moment(state):
     return optax.tree_utils.tree_get(state, "row_adam").row_moment["blocks"]["attn"]["q_proj"]["kernel"]
 
 
-@pytest.mark.parametrize("spec, row_spec", [(P(None, None, "x"), P(None, "x")), (P(None, "x", None), P())],
+# Row-sharded kernels give row-sharded moments; a column (width) split moves onto the rows, which it divides, so
+# the moment is split as finely as its kernel (Target.state_spec).
+@pytest.mark.parametrize("spec, row_spec", [(P(None, None, "x"), P(None, "x")), (P(None, "x", None), P(None, "x"))],
                          ids=["rows", "columns"])
 def test_sharded_equals_unsharded_and_row_moments_follow_rows(problem, spec, row_spec):
     assert jax.device_count() == 8
@@ -60,6 +63,12 @@ def test_sharded_equals_unsharded_and_row_moments_follow_rows(problem, spec, row
     for v in (row_moment(init_state), row_moment(state)):
         assert v.shape == (L, D) and v.dtype == jnp.float32
         assert v.sharding.is_equivalent_to(NamedSharding(mesh, row_spec), 2), v.sharding
+    # One derivation: the eager init's placement is what a jitted step's out_shardings derive from the targets.
+    sharded = shard(params)
+    derived = opt_state_shardings(init_state, jax.tree.map(lambda x: x.sharding, sharded), sharded,
+                                  targets=state_targets(init_state, sharded))
+    for leaf, want in zip(jax.tree.leaves(init_state), jax.tree.leaves(derived)):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.shape, leaf.sharding, want)
     # Every state leaf keeps its sharding through the jitted updates (the count lives replicated on the mesh).
     for a, b in zip(jax.tree.leaves(init_state), jax.tree.leaves(state)):
         assert b.sharding.is_equivalent_to(a.sharding, a.ndim), (a.sharding, b.sharding)

@@ -63,9 +63,14 @@ def test_default_rules_on_tiny_model():
     assert q.slice_paths == tuple(f"blocks.attn.q_proj.kernel.{i}" for i in range(L))
     down = targets["blocks.mlp.down_proj.kernel"]
     assert (down.d, down.k) == (D, config.intermediate_size)
-    # Row state/sketch shardings follow the kernel's: [layers, in, out] → rows = out.
-    assert q.row_spec(P(None, "fsdp", "tensor")) == P(None, "tensor")
-    assert q.sketch_spec(P(None, "fsdp", "tensor")) == P(None, "tensor", None)
+    # Row state/sketch shardings follow the kernel's: [layers, in, out] → rows = out, and the width's axes move
+    # onto the rows; the layers axis and the rank stay whole.
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), devices=jax.devices()[:1])
+    w = P(None, "fsdp", "tensor")
+    assert q.state_spec((L, q.d), w, mesh) == P(None, ("tensor", "fsdp"))
+    assert q.state_spec((L, q.d, 4), w, mesh) == P(None, ("tensor", "fsdp"), None)
+    assert q.state_spec(q.shape, w, mesh) == w
+    assert q.state_spec((L, q.d + 1), w, mesh) is None
     labels = target_labels(nnx.to_pure_dict(state))
     assert labels["blocks"]["attn"]["q_proj"]["kernel"] == "logra"
     assert labels["embed"]["embedding"] == "non_target"

@@ -20,7 +20,7 @@ from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
+from logra_jax.train_step import TrainState, make_train_step, next_token_loss, step_shardings
 
 MESHES = {"fsdp8": shd.MeshConfig(fsdp=8), "fsdp4_tensor2": shd.MeshConfig(fsdp=4, tensor=2),
           "data2_fsdp4": shd.MeshConfig(data=2, fsdp=4)}
@@ -92,8 +92,7 @@ def test_sharded_step_equals_unsharded(name, mesh_name):
     init_fn, step_fn, batch, (state0, rest) = _problem(name)
     mesh = shd.make_mesh(MESHES[mesh_name])
     abstract_state, abstract_rest = jax.eval_shape(init_fn)
-    state_sh = shd.train_state_shardings(abstract_state, mesh)
-    rest_sh = shd.param_shardings(abstract_rest, mesh, sources=abstract_state.params)
+    state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh)
     batch_sh = shd.batch_shardings(batch, mesh)
     step = shd.jit_train_step(step_fn, mesh, in_shardings=(state_sh, rest_sh, batch_sh),
                               out_shardings=(state_sh, shd.replicated(mesh)), compiler_options=FAST_COMPILE)
@@ -135,8 +134,7 @@ def test_activations_are_split_over_the_batch():
         tokens = jax.ShapeDtypeStruct((batch_size, 513), jnp.int32)
         batch = {"tokens": tokens, "attention_mask": tokens, "loss_mask": tokens}
         abstract_state, abstract_rest = jax.eval_shape(init_fn)
-        shardings = (shd.train_state_shardings(abstract_state, mesh), shd.param_shardings(abstract_rest, mesh),
-                     shd.batch_shardings(batch, mesh))
+        shardings = (*step_shardings(abstract_state, abstract_rest, mesh), shd.batch_shardings(batch, mesh))
         step = shd.jit_train_step(step_fn, mesh, in_shardings=shardings, out_shardings=(shardings[0], None),
                                   compiler_options=FAST_COMPILE)
         args = [shd.abstract_sharded(a, s) for a, s in zip((abstract_state, abstract_rest, batch), shardings)]

@@ -13,7 +13,9 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from logra_jax import optim
 from logra_jax import sharding as shd
+from logra_jax.derived_specs import derive_spec, follow_spec
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model
 
@@ -80,18 +82,43 @@ def test_constrain_applies_rules_only_when_active(mesh_f4t2):
 def test_derive_spec(mesh_f4t2):
     m = mesh_f4t2
     w = P(None, "fsdp", "tensor")                     # a kernel [L, k, d]: width over fsdp, rows over tensor
-    assert shd.derive_spec((3, 16, 8), (3, 16, 8), w, m) == w
+    assert derive_spec((3, 16, 8), (3, 16, 8), w, m) == w
     # Row moment [L, d] and sketch [L, d, r]: rows keep tensor, the width's fsdp moves onto the rows.
-    assert shd.derive_spec((3, 8), (3, 16, 8), w, m) == P(None, ("tensor", "fsdp"))
-    assert shd.derive_spec((3, 8, 5), (3, 16, 8), w, m) == P(None, ("tensor", "fsdp"), None)
+    assert derive_spec((3, 8), (3, 16, 8), w, m) == P(None, ("tensor", "fsdp"))
+    assert derive_spec((3, 8, 5), (3, 16, 8), w, m) == P(None, ("tensor", "fsdp"), None)
     # Rows too small for fsdp as well: it lands on the rank axis.
-    assert shd.derive_spec((3, 2, 4), (3, 16, 2), w, m) == P(None, "tensor", "fsdp")
+    assert derive_spec((3, 2, 4), (3, 16, 2), w, m) == P(None, "tensor", "fsdp")
     # Square kernel (k == d): a [L, d] leaf is matched to the rows (last axis).
-    assert shd.derive_spec((3, 8), (3, 8, 8), w, m) == P(None, ("tensor", "fsdp"))
+    assert derive_spec((3, 8), (3, 8, 8), w, m) == P(None, ("tensor", "fsdp"))
     # Adafactor-style column factor [L, k] of a kernel [L, k, d] keeps fsdp and takes tensor too.
-    assert shd.derive_spec((3, 16), (3, 16, 8), w, m) == P(None, ("fsdp", "tensor"))
+    assert derive_spec((3, 16), (3, 16, 8), w, m) == P(None, ("fsdp", "tensor"))
     # Nothing divisible: replicated, never an invalid spec.
-    assert shd.derive_spec((3, 3), (3, 16, 8), w, m) == P(None, None)
+    assert derive_spec((3, 3), (3, 16, 8), w, m) == P(None, None)
+
+
+def test_follow_spec_checks_its_map(mesh_f4t2):
+    w = P(None, "fsdp", "tensor")
+    assert follow_spec((3, 8), w, 3, (0, 2), mesh_f4t2) == P(None, ("tensor", "fsdp"))
+    for bad in [(0,), (2, 2), (0, 3)]:
+        with pytest.raises(ValueError, match="follow_spec: match"):
+            follow_spec((3, 8), w, 3, bad, mesh_f4t2)
+
+
+def test_declared_target_layout_is_the_one_derivation(mesh_f4t2):
+    """A target's per-row state follows its declared dims: the same specs as size matching on the usual layout,
+    the right one where sizes tie (layers == width), None for layouts it does not declare."""
+    m, w = mesh_f4t2, P(None, "fsdp", "tensor")
+    t = optim.match_target("q_proj.kernel", ("q_proj", "kernel"), (3, 16, 8), optim.DEFAULT_TARGET_RULES)
+    for shape in [(3, 16, 8), (3, 8), (3, 8, 5)]:
+        assert t.state_spec(shape, w, m) == derive_spec(shape, t.shape, w, m), shape
+    tie = optim.match_target("q_proj.kernel", ("q_proj", "kernel"), (16, 16, 8), optim.DEFAULT_TARGET_RULES)
+    assert tie.state_spec((16, 8), w, m) == P(None, ("tensor", "fsdp"))       # layers keep None, rows split 8 ways
+    assert derive_spec((16, 8), tie.shape, w, m) == P("fsdp", "tensor")       # size matching takes L for k
+    assert t.state_spec((16, 5), w, m) is None
+    # sharding's entry point takes the declared layout where one is given, sizes otherwise.
+    assert shd.derived_spec((16, 8), "q_proj.kernel", tie.shape, w, m, {"q_proj.kernel": tie}) == P(
+        None, ("tensor", "fsdp"))
+    assert shd.derived_spec((16, 8), "q_proj.kernel", tie.shape, w, m) == P("fsdp", "tensor")
 
 
 def _expected_param_specs(config):
