@@ -36,6 +36,11 @@ def entry(group: Sequence[str]) -> MeshAxes:
     return None if not group else group[0] if len(group) == 1 else tuple(group)
 
 
+def full_spec(spec: PartitionSpec, rank: int) -> PartitionSpec:
+    """`spec` with one entry per dim of a rank-`rank` array (missing trailing entries are None)."""
+    return PartitionSpec(*spec, *(None,) * (rank - len(spec)))
+
+
 def follow_spec(shape: Sequence[int], source_spec: PartitionSpec, source_rank: int,
                 match: Sequence[int | None], mesh: Mesh) -> PartitionSpec:
     """PartitionSpec of an array of `shape` derived from a parameter of rank `source_rank` sharded `source_spec`.
@@ -66,7 +71,7 @@ def follow_spec(shape: Sequence[int], source_spec: PartitionSpec, source_rank: i
     if len(match) != len(shape) or len(set(used)) != len(used) or any(not 0 <= j < source_rank for j in used):
         raise ValueError(f"follow_spec: match {match} is not a map of the dims of {shape} onto distinct dims of a "
                          f"rank-{source_rank} parameter")
-    source = tuple(source_spec) + (None,) * (source_rank - len(source_spec))
+    source = tuple(full_spec(source_spec, source_rank))
     groups = [list(as_tuple(source[j])) if j is not None else [] for j in match]
     leftover = [a for j, axes in enumerate(source) if j not in used for a in as_tuple(axes)]
     order = [i for i, j in reversed(list(enumerate(match))) if j is not None] + [
@@ -118,5 +123,5 @@ def derive_spec(shape: Sequence[int], source_shape: Sequence[int], source_spec: 
     """
     shape, source_shape = tuple(shape), tuple(source_shape)
     if shape == source_shape:
-        return PartitionSpec(*source_spec, *(None,) * (len(source_shape) - len(source_spec)))
+        return full_spec(source_spec, len(source_shape))
     return follow_spec(shape, source_spec, len(source_shape), match_dims(shape, source_shape), mesh)

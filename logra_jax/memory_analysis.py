@@ -32,8 +32,9 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
                 compiler_options: Mapping[str, Any] | None = None) -> dict[str, int]:
     """Per-device bytes of one sharded train step, compile-only: nothing is allocated.
 
-    With logra_jax.sharding's functions: the state and `rest` get `train_state_shardings` / `param_shardings`
-    (sketch probes follow their kernels), the batch `batch_shardings`; the step is jitted with `jit_train_step`
+    The state and `rest` get `logra_jax.train_step.step_shardings` (parameters by their logical axes; optimizer
+    state and sketch probes follow their kernels, LoGRA's by the targets' declared dims), the batch
+    `batch_shardings`; the step is jitted with `jit_train_step`
     (state donated), lowered from `abstract_sharded` inputs and compiled, and XLA's memory analysis is read:
       total = argument + output + temp − alias        (alias: donated buffers the outputs reuse, counted once)
 

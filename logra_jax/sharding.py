@@ -11,7 +11,7 @@ Activations are constrained with `constrain(x, logical_axes)` while `use_rules` 
 shardings (eval_shape → shardings → jit(out_shardings)).
 
 Typical use, with init_fn() -> (TrainState, rest) and a step from logra_jax.train_step (run end to end by
-tests/sharding/test_sharded_step.py and tests/sharding/multihost_worker.py):
+tests/sharding/test_sharded_step.py, and across processes by logra_jax.train in tests/sharding/test_multihost_main.py):
   mesh = make_mesh(MeshConfig(data=2, fsdp=4))
   (state, rest), (state_sh, rest_sh) = init_sharded(init_fn, lambda s: step_shardings(*s, mesh))
                           # logra_jax.train_step.step_shardings: train_state_shardings + param_shardings, with
@@ -227,7 +227,7 @@ def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT
       mesh: the device mesh.
       rules: logical → mesh axes.
       derived: {variable name: sibling name}: such variables follow their sibling's sharding instead of their
-        own metadata (`derived_spec`). Default {"sketch_probe": "kernel"}: a LoGRA probe [L, d, r] is split
+        own metadata (`state_leaf_spec`). Default {"sketch_probe": "kernel"}: a LoGRA probe [L, d, r] is split
         like its kernel's rows and as finely as the kernel.
       sources: another tree of Variables where siblings are looked up too (the params, when `abstract_state`
         is the non-Param `rest` holding the probes).
@@ -262,7 +262,7 @@ def param_shardings(abstract_state: T, mesh: Mesh, rules: LogicalRules = DEFAULT
         sibling = (*path[:-1], derived.get(path[-1], "")) if path else ()
         if path and path[-1] in derived and sibling in by_path:
             source = by_path[sibling]
-            spec = derived_spec(var.shape, ".".join(sibling), source.shape, own_spec(source), mesh, targets)
+            spec = state_leaf_spec(var.shape, ".".join(sibling), source.shape, own_spec(source), mesh, targets)
         out = NamedSharding(mesh, spec)
         return var.replace(value=out) if is_var(var) else out
 
@@ -276,7 +276,7 @@ class DeclaredLayout(Protocol):
         """The PartitionSpec of derived state of `shape`, or None when the layout is not one it declares."""
 
 
-def derived_spec(shape: Sequence[int], path: str, source_shape: Sequence[int], source_spec: PartitionSpec,
+def state_leaf_spec(shape: Sequence[int], path: str, source_shape: Sequence[int], source_spec: PartitionSpec,
                  mesh: Mesh, targets: Mapping[str, DeclaredLayout] | None = None) -> PartitionSpec:
     """PartitionSpec of an array derived from the parameter at `path` (its optimizer state, its sketch probe).
 
@@ -295,7 +295,7 @@ def opt_state_shardings(abstract_opt_state: T, params_shardings: Any, abstract_p
     """NamedShardings for an optimizer state, derived from the parameters' shardings.
 
     A state leaf whose path ends with a parameter's path (optax moments: `mu.blocks.attn.q_proj.kernel`; state
-    keyed by canonical path strings works too) follows that parameter (`derived_spec`: by the target's declared
+    keyed by canonical path strings works too) follows that parameter (`state_leaf_spec`: by the target's declared
     dims when `targets` has it, by size otherwise); every other leaf (step counts, scalars) is replicated.
 
     Args:
@@ -333,7 +333,7 @@ def opt_state_shardings(abstract_opt_state: T, params_shardings: Any, abstract_p
             name = ".".join(path[start:])
             hit = index.get(name)
             if hit is not None and getattr(leaf, "ndim", 0) > 0:
-                return NamedSharding(mesh, derived_spec(leaf.shape, name, hit[0], hit[1].spec, mesh, targets))
+                return NamedSharding(mesh, state_leaf_spec(leaf.shape, name, hit[0], hit[1].spec, mesh, targets))
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree_util.tree_map_with_path(sharding, abstract_opt_state)

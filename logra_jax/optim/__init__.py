@@ -34,6 +34,7 @@ from logra_jax.optim.sketch import SketchState, scale_by_sketch
 from logra_jax.optim.spec import SketchSpec, sketch_spec, state_targets
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
+    DeclaredTargets,
     MatrixDims,
     Target,
     TargetRule,
@@ -51,6 +52,7 @@ __all__ = [
     "NON_TARGET_LABEL",
     "TARGET_LABEL",
     "VARIANTS",
+    "DeclaredTargets",
     "LowRankMeta",
     "LowRankUpdate",
     "MatrixDims",

@@ -20,20 +20,26 @@ import optax
 from logra_jax.optim.row_adam import VARIANTS, Variant, row_adam_direction
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
+    DeclaredTargets,
     MatrixDims,
     Target,
     TargetRule,
     check_rules,
     find_targets,
+    place_replicated,
+    place_rows,
 )
 from logra_jax.tree_paths import path_str
 
 
 class DenseRowAdamState(NamedTuple):
-    """count: completed updates; row_moment: {target path: v [num_slices, d] float32}."""
+    """count: completed updates; row_moment: {target path: v (*batch_shape, *rows_shape) float32}, placed like
+    the weight rows (`place_rows`) when init gets concretely sharded parameters; targets: the rules that key the
+    moments (static, no leaves), so that shardings follow the targets' declared dims."""
 
     count: jax.Array
     row_moment: dict[str, jax.Array]
+    targets: DeclaredTargets
 
 
 def _rows_first(g: jax.Array, t: Target) -> jax.Array:
@@ -91,8 +97,12 @@ def scale_by_dense_row_adam(update_ratio: float = 6e-5, variant: Variant = "pape
 
     def init(params: Any) -> DenseRowAdamState:
         targets = find_targets(params, rules)
-        return DenseRowAdamState(jnp.zeros((), jnp.int32),
-                                 {p: jnp.zeros((t.num_slices, t.d), jnp.float32) for p, t in targets.items()})
+        moments = {}
+        for keypath, weight in jax.tree_util.tree_flatten_with_path(params)[0]:
+            t = targets.get(path_str(keypath))
+            if t is not None:
+                moments[t.path] = place_rows(jnp.zeros((*t.batch_shape, *t.rows_shape), jnp.float32), t, weight)
+        return DenseRowAdamState(place_replicated(jnp.zeros((), jnp.int32), params), moments, DeclaredTargets(rules))
 
     def update(updates: Any, state: DenseRowAdamState, params: Any = None) -> tuple[Any, DenseRowAdamState]:
         if params is None:
@@ -106,8 +116,10 @@ def scale_by_dense_row_adam(update_ratio: float = 6e-5, variant: Variant = "pape
         for path, t in targets.items():
             key = by_path[path]
             g = _rows_first(flat_u[key].astype(jnp.float32), t)
-            d, moments[path] = row_adam_direction(g, state.row_moment[path], state.count, _SLICES_ROWS_WIDTH,
-                                                  variant, b2, eps)
+            v = state.row_moment[path]
+            d, v_new = row_adam_direction(g, v.reshape(t.num_slices, t.d), state.count, _SLICES_ROWS_WIDTH,
+                                          variant, b2, eps)
+            moments[path] = v_new.reshape(v.shape)
             directions[key] = (d, t)
             weight_sq += jnp.sum(jnp.square(flat_w[key].astype(jnp.float32)))
             update_sq += jnp.sum(jnp.square(d))
@@ -121,6 +133,6 @@ def scale_by_dense_row_adam(update_ratio: float = 6e-5, variant: Variant = "pape
             return _from_rows_first(factor * d, t).astype(u.dtype)
 
         new = jax.tree_util.tree_map_with_path(one, updates)
-        return new, DenseRowAdamState(state.count + 1, moments)
+        return new, DenseRowAdamState(state.count + 1, moments, state.targets)
 
     return optax.GradientTransformation(init, update)

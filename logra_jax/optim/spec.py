@@ -22,7 +22,14 @@ import jax
 
 from logra_jax.kernels.backend import Implementation, check_implementation, check_interpret
 from logra_jax.optim.projection import Distribution, check_nonneg_int, check_projection_args
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, TargetRule, check_rules, find_targets
+from logra_jax.optim.targets import (
+    DEFAULT_TARGET_RULES,
+    DeclaredTargets,
+    Target,
+    TargetRule,
+    check_rules,
+    find_targets,
+)
 
 # The fields that select the projections A: two specs that agree on them draw the same A for a target and step.
 DRAW_FIELDS = ("rank", "base_seed", "distribution", "refresh")
@@ -138,14 +145,17 @@ def sketch_spec(opt_state: Any) -> SketchSpec | None:
 
 
 def state_targets(opt_state: Any, params: Any) -> dict[str, Target]:
-    """{canonical path: Target} of the parameters the optimizer whose state is `opt_state` sketches ({} when it
-    sketches nothing): the declared layouts its per-target state is sharded by
-    (`logra_jax.sharding.opt_state_shardings(..., targets=)`, the same `Target.state_spec` an eager `init` on
-    sharded parameters places the row moments by).
+    """{canonical path: Target} of the parameters whose per-target state the optimizer keeps (the rules of each
+    SketchSpec or DeclaredTargets in `opt_state`; {} when there is none): the declared layouts that state is
+    sharded by (`logra_jax.sharding.opt_state_shardings(..., targets=)`, the same `Target.state_spec` an eager
+    `init` on sharded parameters places the row moments by).
 
     Args:
       opt_state: the optimizer's state, real or abstract (`jax.eval_shape(tx.init, params)`).
       params: the parameters it was initialised on (arrays or ShapeDtypeStructs).
+
+    Raises:
+      ValueError: two declarations view the same parameter differently (the message names it).
 
     Example:
       >>> import jax.numpy as jnp
@@ -154,5 +164,12 @@ def state_targets(opt_state: Any, params: Any) -> dict[str, Target]:
       >>> list(state_targets(logra(rank=2).init(params), params))
       ['q_proj.kernel']
     """
-    spec = sketch_spec(opt_state)
-    return {} if spec is None else find_targets(params, spec.rules)
+    declares = lambda x: isinstance(x, SketchSpec | DeclaredTargets)
+    rule_sets = {x.rules for x in jax.tree.leaves(opt_state, is_leaf=declares) if declares(x)}
+    targets: dict[str, Target] = {}
+    for rules in sorted(rule_sets, key=repr):
+        for path, t in find_targets(params, rules).items():
+            if targets.setdefault(path, t) != t:
+                raise ValueError(f"state_targets: {path!r} is declared as two different targets: {targets[path]} "
+                                 f"and {t}")
+    return targets

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from logra_jax.derived_specs import follow_spec
+from logra_jax.derived_specs import follow_spec, full_spec
 from logra_jax.tree_paths import path_keys
 
 
@@ -93,6 +93,21 @@ class TargetRule:
 DEFAULT_TARGET_RULES: tuple[TargetRule, ...] = (
     TargetRule(r"(^|\.)(q|k|v|o|gate|up|down)_proj\.kernel$", MatrixDims(rows=(-1,), width=(-2,))),
 )
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DeclaredTargets:
+    """A static (leafless) node of an optimizer state: its per-target state is keyed and laid out by the targets
+    `rules` find, so its shardings follow their declared dims (`logra_jax.optim.spec.state_targets`). The
+    SketchSpec in LoGRA's state declares the same through its own rules.
+
+    Example:
+      >>> jax.tree.leaves({"v": 1.0, "declared": DeclaredTargets()})
+      [1.0]
+    """
+
+    rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +203,7 @@ class Target:
         """
         shape = tuple(shape)
         if shape == self.shape:
-            return PartitionSpec(*weight_spec, *(None,) * (len(self.shape) - len(weight_spec)))
+            return full_spec(weight_spec, len(self.shape))
         lead = self.batch_axes + self.dims.rows
         if shape[:len(lead)] != (*self.batch_shape, *self.rows_shape):
             return None
@@ -336,7 +351,12 @@ def place_rows(x: jax.Array, target: Target, weight: Any) -> jax.Array:
     sharding = _named_sharding(weight)
     if sharding is None:
         return x
-    return jax.device_put(x, NamedSharding(sharding.mesh, target.state_spec(x.shape, sharding.spec, sharding.mesh)))
+    spec = target.state_spec(x.shape, sharding.spec, sharding.mesh)
+    if spec is None:
+        raise ValueError(f"place_rows: state of shape {tuple(x.shape)} is not laid out per row of target "
+                         f"{target.path!r} (shape {target.shape}; expected {(*target.batch_shape, *target.rows_shape)}"
+                         " followed by the state's own dims)")
+    return jax.device_put(x, NamedSharding(sharding.mesh, spec))
 
 
 def place_replicated(x: jax.Array, params: Any) -> jax.Array:

@@ -39,3 +39,14 @@ def test_importing_optim_loads_no_model_code():
             "('logra_jax.models', 'logra_jax.native', 'logra_jax.rl', 'logra_jax.train'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_bottom_modules_import_only_jax():
+    """The modules optim may import from the package root import nothing of the project and no flax."""
+    root = OPTIM.parent
+    offenders = {}
+    for name in ("tree_paths.py", "derived_specs.py"):
+        bad = {m for m in _imports(root / name) if m.split(".")[0] in ("flax", "logra_jax", "optax")}
+        if bad:
+            offenders[name] = sorted(bad)
+    assert not offenders, offenders

@@ -72,3 +72,39 @@ def test_sharded_equals_unsharded_and_row_moments_follow_rows(problem, spec, row
     # Every state leaf keeps its sharding through the jitted updates (the count lives replicated on the mesh).
     for a, b in zip(jax.tree.leaves(init_state), jax.tree.leaves(state)):
         assert b.sharding.is_equivalent_to(a.sharding, a.ndim), (a.sharding, b.sharding)
+
+
+def test_dense_row_adam_declares_its_targets_and_follows_rows():
+    """The ablation's [*batch, *rows] moments are placed like LoGRA's: eagerly and by the jitted shardings from
+    the targets it declares, also where size matching would take the layers axis for the width (L == k)."""
+    from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
+
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(1)
+    params = {"q_proj": {"kernel": jnp.asarray(rng.normal(size=(8, 8, 32)), jnp.float32)}}
+    grad = {"q_proj": {"kernel": jnp.asarray(rng.normal(size=(8, 8, 32)), jnp.float32)}}
+    tx = scale_by_dense_row_adam(update_ratio=1e-2)
+    want_updates, want_state = tx.update(grad, tx.init(params), params)
+
+    shard = lambda tree: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "x", None))), tree)
+    sharded = shard(params)
+    state = tx.init(sharded)
+    assert list(state_targets(state, sharded)) == ["q_proj.kernel"]
+    derived = opt_state_shardings(state, jax.tree.map(lambda x: x.sharding, sharded), sharded,
+                                  targets=state_targets(state, sharded))
+    v = state.row_moment["q_proj.kernel"]
+    assert v.shape == (8, 32) and v.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 2), v.sharding
+    assert derived.row_moment["q_proj.kernel"].spec == P(None, "x")
+    updates, state = jax.jit(tx.update)(shard(grad), state, sharded)
+    np.testing.assert_allclose(updates["q_proj"]["kernel"], want_updates["q_proj"]["kernel"], rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(state.row_moment["q_proj.kernel"], want_state.row_moment["q_proj.kernel"], rtol=1e-5)
+
+
+def test_state_targets_refuses_two_views_of_one_parameter():
+    from logra_jax.optim import DeclaredTargets, MatrixDims, TargetRule
+
+    params = {"q_proj": {"kernel": jnp.zeros((8, 4))}}
+    other = DeclaredTargets((TargetRule(r"q_proj\.kernel$", MatrixDims(rows=(0,), width=(1,))),))
+    with pytest.raises(ValueError, match=r"'q_proj\.kernel' is declared as two different targets"):
+        state_targets((logra(rank=2).init(params), other), params)
+    assert state_targets(optax.adam(1e-3).init(params), params) == {}

@@ -116,9 +116,31 @@ def test_declared_target_layout_is_the_one_derivation(mesh_f4t2):
     assert derive_spec((16, 8), tie.shape, w, m) == P("fsdp", "tensor")       # size matching takes L for k
     assert t.state_spec((16, 5), w, m) is None
     # sharding's entry point takes the declared layout where one is given, sizes otherwise.
-    assert shd.derived_spec((16, 8), "q_proj.kernel", tie.shape, w, m, {"q_proj.kernel": tie}) == P(
+    assert shd.state_leaf_spec((16, 8), "q_proj.kernel", tie.shape, w, m, {"q_proj.kernel": tie}) == P(
         None, ("tensor", "fsdp"))
-    assert shd.derived_spec((16, 8), "q_proj.kernel", tie.shape, w, m) == P("fsdp", "tensor")
+    assert shd.state_leaf_spec((16, 8), "q_proj.kernel", tie.shape, w, m) == P("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("shape, dims, spec", [
+    ((16, 3, 8), optim.MatrixDims(rows=(-1,), width=(0,)), P("fsdp", None, "tensor")),      # batch axis in the middle
+    ((8, 3, 16), optim.MatrixDims(rows=(0,), width=(2,)), P("tensor", None, "fsdp")),       # rows before batch
+    ((16, 4, 2), optim.MatrixDims(rows=(1, 2), width=(0,)), P("fsdp", "tensor", None)),     # Tunix q einsum [D, N, H]
+    ((4, 2, 16), optim.MatrixDims(rows=(2,), width=(0, 1)), P("fsdp", None, "tensor")),     # Tunix o einsum [N, H, D]
+], ids=["batch-middle", "rows-first", "two-row-axes", "two-width-axes"])
+def test_declared_layouts_of_einsum_kernels(mesh_f4t2, shape, dims, spec):
+    """Kernels whose axes are not [batch, in, out]: per-row state keeps the row axes' mesh axes, the width's move
+    onto the rows where they divide; the result is a valid sharding and equals size matching where sizes do not
+    tie."""
+    t = optim.match_target("w", ("w",), shape, [optim.TargetRule(r"^w$", dims)])
+    lead = (*t.batch_shape, *t.rows_shape)
+    for state_shape in (lead, (*lead, 4)):
+        got = t.state_spec(state_shape, spec, mesh_f4t2)
+        NamedSharding(mesh_f4t2, got).shard_shape(state_shape)  # divisible on every dim
+        assert got == derive_spec(state_shape, shape, spec, mesh_f4t2), (state_shape, got)
+        axes = lambda s: [a for e in s if e for a in ((e,) if isinstance(e, str) else e)]
+        assert len(axes(got)) == len(set(axes(got))) and set(axes(got)) <= set(axes(spec)), got
+        for i, a in enumerate((*t.batch_axes, *t.dims.rows)):  # batch and row axes keep their own mesh axes
+            assert set(axes([spec[a]])) <= set(axes([got[i]])), (i, got)
 
 
 def _expected_param_specs(config):
