@@ -277,7 +277,7 @@ class DeclaredLayout(Protocol):
 
 
 def state_leaf_spec(shape: Sequence[int], path: str, source_shape: Sequence[int], source_spec: PartitionSpec,
-                 mesh: Mesh, targets: Mapping[str, DeclaredLayout] | None = None) -> PartitionSpec:
+                    mesh: Mesh, targets: Mapping[str, DeclaredLayout] | None = None) -> PartitionSpec:
     """PartitionSpec of an array derived from the parameter at `path` (its optimizer state, its sketch probe).
 
     The parameter's declared layout (`targets[path].state_spec`) when it has one for `shape`; otherwise the

@@ -27,14 +27,14 @@ from logra_jax.optim.targets import (
     check_rules,
     find_targets,
     place_replicated,
-    place_rows,
+    zero_row_moments,
 )
 from logra_jax.tree_paths import path_str
 
 
 class DenseRowAdamState(NamedTuple):
     """count: completed updates; row_moment: {target path: v (*batch_shape, *rows_shape) float32}, placed like
-    the weight rows (`place_rows`) when init gets concretely sharded parameters; targets: the rules that key the
+    the weight rows (`zero_row_moments`) when init gets concretely sharded parameters; targets: the rules that key the
     moments (static, no leaves), so that shardings follow the targets' declared dims."""
 
     count: jax.Array
@@ -96,12 +96,7 @@ def scale_by_dense_row_adam(update_ratio: float = 6e-5, variant: Variant = "pape
     rules = check_rules(rules)
 
     def init(params: Any) -> DenseRowAdamState:
-        targets = find_targets(params, rules)
-        moments = {}
-        for keypath, weight in jax.tree_util.tree_flatten_with_path(params)[0]:
-            t = targets.get(path_str(keypath))
-            if t is not None:
-                moments[t.path] = place_rows(jnp.zeros((*t.batch_shape, *t.rows_shape), jnp.float32), t, weight)
+        moments = zero_row_moments(params, find_targets(params, rules))
         return DenseRowAdamState(place_replicated(jnp.zeros((), jnp.int32), params), moments, DeclaredTargets(rules))
 
     def update(updates: Any, state: DenseRowAdamState, params: Any = None) -> tuple[Any, DenseRowAdamState]:

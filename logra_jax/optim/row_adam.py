@@ -36,9 +36,9 @@ from logra_jax.optim.targets import (
     check_rules,
     find_targets,
     place_replicated,
-    place_rows,
+    zero_row_moments,
 )
-from logra_jax.tree_paths import path_keys, path_str
+from logra_jax.tree_paths import path_keys
 
 Variant = Literal["paper", "nemo", "sgd"]
 VARIANTS: tuple[str, ...] = ("paper", "nemo", "sgd")
@@ -173,11 +173,7 @@ def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float =
         targets = find_targets(params, rules)
         moments = {}
         if variant != "sgd":
-            for keypath, weight in jax.tree_util.tree_flatten_with_path(params)[0]:
-                t = targets.get(path_str(keypath))
-                if t is not None:
-                    v = jnp.zeros((*t.batch_shape, *t.rows_shape), jnp.float32)
-                    moments[t.keys] = place_rows(v, t, weight)
+            moments = {targets[p].keys: v for p, v in zero_row_moments(params, targets).items()}
         return RowAdamState(count=place_replicated(jnp.zeros((), jnp.int32), params), row_moment=_nest(moments))
 
     def update_fn(updates: Any, state: RowAdamState, params: Any = None, **extra_args: Any

@@ -15,6 +15,7 @@ merged factor, and the kernel implementation ("xla" | "pallas", `interpret` for 
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,6 +131,11 @@ def build_spec(where: str, spec: SketchSpec | None = None, /, **settings: Any) -
         raise type(e)(f"{where}: {e}") from e
 
 
+def _static_nodes(opt_state: Any, kind: type | types.UnionType) -> set[Any]:
+    """The distinct static nodes of type `kind` anywhere in `opt_state` (they are leafless pytree nodes)."""
+    return {x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)}
+
+
 def sketch_spec(opt_state: Any) -> SketchSpec | None:
     """The SketchSpec of the optimizer whose state is `opt_state` (any nesting: chain, partition,
     inject_hyperparams, MultiSteps), None when it sketches nothing.
@@ -137,8 +143,7 @@ def sketch_spec(opt_state: Any) -> SketchSpec | None:
     Raises:
       ValueError: the state holds two different specs.
     """
-    found = {x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SketchSpec))
-             if isinstance(x, SketchSpec)}
+    found = _static_nodes(opt_state, SketchSpec)
     if len(found) > 1:
         raise ValueError(f"the optimizer state holds {len(found)} different SketchSpecs: {sorted(map(str, found))}")
     return next(iter(found), None)
@@ -164,8 +169,7 @@ def state_targets(opt_state: Any, params: Any) -> dict[str, Target]:
       >>> list(state_targets(logra(rank=2).init(params), params))
       ['q_proj.kernel']
     """
-    declares = lambda x: isinstance(x, SketchSpec | DeclaredTargets)
-    rule_sets = {x.rules for x in jax.tree.leaves(opt_state, is_leaf=declares) if declares(x)}
+    rule_sets = {x.rules for x in _static_nodes(opt_state, SketchSpec | DeclaredTargets)}
     targets: dict[str, Target] = {}
     for rules in sorted(rule_sets, key=repr):
         for path, t in find_targets(params, rules).items():

@@ -22,11 +22,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from logra_jax.derived_specs import follow_spec, full_spec
-from logra_jax.tree_paths import path_keys
+from logra_jax.tree_paths import path_keys, path_str
 
 
 def _normalise_axes(axes: Sequence[int], ndim: int) -> tuple[int, ...] | None:
@@ -357,6 +358,15 @@ def place_rows(x: jax.Array, target: Target, weight: Any) -> jax.Array:
                          f"{target.path!r} (shape {target.shape}; expected {(*target.batch_shape, *target.rows_shape)}"
                          " followed by the state's own dims)")
     return jax.device_put(x, NamedSharding(sharding.mesh, spec))
+
+
+def zero_row_moments(params: Any, targets: Mapping[str, Target]) -> dict[str, jax.Array]:
+    """{path: float32 zeros (*batch_shape, *rows_shape)} for each of `targets` found in `params`, in tree order,
+    each placed like its kernel's rows (`place_rows`): the initial row moments of RowAdam and its dense ablation.
+    """
+    return {t.path: place_rows(jnp.zeros((*t.batch_shape, *t.rows_shape), jnp.float32), t, weight)
+            for keypath, weight in jax.tree_util.tree_flatten_with_path(params)[0]
+            if (t := targets.get(path_str(keypath))) is not None}
 
 
 def place_replicated(x: jax.Array, params: Any) -> jax.Array:

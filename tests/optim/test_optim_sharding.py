@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from logra_jax.optim import apply_updates, logra, state_targets
+from logra_jax.optim import DeclaredTargets, MatrixDims, TargetRule, apply_updates, logra, state_targets
+from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
 from logra_jax.sharding import opt_state_shardings
 
 L, K, D, RANK = 2, 16, 32, 4  # stacked Flax kernel [L, in=k, out=d]
@@ -77,8 +78,6 @@ def test_sharded_equals_unsharded_and_row_moments_follow_rows(problem, spec, row
 def test_dense_row_adam_declares_its_targets_and_follows_rows():
     """The ablation's [*batch, *rows] moments are placed like LoGRA's: eagerly and by the jitted shardings from
     the targets it declares, also where size matching would take the layers axis for the width (L == k)."""
-    from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
-
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     rng = np.random.default_rng(1)
     params = {"q_proj": {"kernel": jnp.asarray(rng.normal(size=(8, 8, 32)), jnp.float32)}}
@@ -101,8 +100,6 @@ def test_dense_row_adam_declares_its_targets_and_follows_rows():
 
 
 def test_state_targets_refuses_two_views_of_one_parameter():
-    from logra_jax.optim import DeclaredTargets, MatrixDims, TargetRule
-
     params = {"q_proj": {"kernel": jnp.zeros((8, 4))}}
     other = DeclaredTargets((TargetRule(r"q_proj\.kernel$", MatrixDims(rows=(0,), width=(1,))),))
     with pytest.raises(ValueError, match=r"'q_proj\.kernel' is declared as two different targets"):
