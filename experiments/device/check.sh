@@ -3,8 +3,9 @@
 # repository root, on the accelerator machine:
 #   bash experiments/device/check.sh                 # results under $OUT (the device tool's) or experiments/device/out
 #   bash experiments/device/check.sh --smoke         # tiny shapes on CPU: what `make test` runs
-# Options: --out DIR (default $OUT, else experiments/device/out), --smoke. PYTHON overrides the interpreter
-# (default python3). Wheels under .whl/ (experiments/device/wheels.sh) are installed first with --no-index.
+# Options: --out DIR (default $OUT, else experiments/device/out), --smoke, --wheels. PYTHON overrides the
+# interpreter (default python3). Wheels under .whl/ (experiments/device/wheels.sh) are installed first with
+# --no-index (always on the device; with --smoke only when --wheels asks, as experiments/device/rehearse.sh does).
 #
 # Steps, each with its own time limit so that one hang cannot eat the others' time, each writing JSON:
 #   0. lower_all.py   every Pallas kernel lowers for CUDA and TPU under this jax          lower.json
@@ -17,10 +18,12 @@
 #   summary.py        one table (printed last) and check.json with everything, device and jax version
 set -uo pipefail
 smoke=0
+wheels=0
 out=${OUT:-experiments/device/out}
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) smoke=1 ;;
+    --wheels) wheels=1 ;;
     --out) out=$2; shift ;;
     *) echo "check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -34,8 +37,9 @@ started=$(date +%s)
 say() { echo "[check $(( $(date +%s) - started ))s] $*" | tee -a "$log"; }
 
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$smoke" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
+if { [ "$smoke" = 0 ] || [ "$wheels" = 1 ]; } && compgen -G ".whl/*.whl" > /dev/null; then
   say "installing $(ls .whl | wc -l) carried wheels (--no-index)"
+  rm -rf /tmp/logra-site /tmp/logra-site-min
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/logra-site \
     .whl/*.whl >> "$log" 2>&1 || say "wheel install FAILED (see log.txt)"
   # our pins of flax/optax first; if they do not import under this jax, only what the image lacks

@@ -13,6 +13,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_check_script_names_an_unknown_argument(tmp_path):
+    proc = subprocess.run(["bash", "experiments/device/check.sh", "--smoek", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown argument --smoek" in proc.stderr
+    assert not (tmp_path / "log.txt").exists()  # refused before anything ran
+
+
 def test_check_script_smoke_runs_every_step_and_prints_the_table(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)
@@ -22,6 +29,7 @@ def test_check_script_smoke_runs_every_step_and_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-5000:]
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["exit_status"] == {"lower": "0", "kernels": "0", "sync": "0", "train_step": "0"}
+    assert "carried wheels" not in log  # --smoke installs wheels only when --wheels asks (rehearse.sh)
     assert report["lower"]["all_ok"] and len(report["lower"]["results"]) >= 14
     # the GPU kernels ran (interpreted) against their references: every one accurate, none errored
     kernels = report["kernels"]
