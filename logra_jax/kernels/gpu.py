@@ -7,7 +7,7 @@ Why Triton-via-Pallas (`pl.pallas_call` with `jax.experimental.pallas.triton.Com
   Hopper-only and pays off for compute-bound tiles, which these are not.
 - The jax on accelerator machines may be newer than our pin: the Triton backend of `pallas_call` ships in
   jax 0.10.x and, deprecated but present, in 0.11.x (`experiments/device/check.sh` lowers and runs every kernel
-  under whatever jax the machine has; `experiments/kernels/lower_newest.py` lowers them under the newest jax a
+  under whatever jax the machine has; `experiments/kernels/lower_newest.sh` lowers them under the newest jax a
   registry offers).
 
 How they differ from the TPU kernels (merge.py, row_moment.py, project.py):
