@@ -4,8 +4,8 @@
 #   bash experiments/device/check.sh                 # results under $OUT (the device tool's) or experiments/device/out
 #   bash experiments/device/check.sh --smoke         # tiny shapes on CPU: what `make test` runs
 # Options: --out DIR (default $OUT, else experiments/device/out), --smoke, --wheels. PYTHON overrides the
-# interpreter (default python3). Wheels under .whl/ (experiments/device/wheels.sh) are installed first with
-# --no-index (always on the device; with --smoke only when --wheels asks, as experiments/device/rehearse.sh does).
+# interpreter (default python3). Wheels under $WHEELS_DIR (default .whl/, experiments/device/wheels.sh) are
+# installed first with --no-index (always on the device; with --smoke only when --wheels asks, as experiments/device/rehearse.sh does).
 #
 # Steps, each with its own time limit so that one hang cannot eat the others' time, each writing JSON:
 #   0. lower_all.py   every Pallas kernel lowers for CUDA and TPU under this jax          lower.json
@@ -20,6 +20,7 @@ set -uo pipefail
 smoke=0
 wheels=0
 out=${OUT:-experiments/device/out}
+whl=${WHEELS_DIR:-.whl}
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) smoke=1 ;;
@@ -37,11 +38,11 @@ started=$(date +%s)
 say() { echo "[check $(( $(date +%s) - started ))s] $*" | tee -a "$log"; }
 
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
-if { [ "$smoke" = 0 ] || [ "$wheels" = 1 ]; } && compgen -G ".whl/*.whl" > /dev/null; then
-  say "installing $(ls .whl | wc -l) carried wheels (--no-index)"
+if { [ "$smoke" = 0 ] || [ "$wheels" = 1 ]; } && compgen -G "$whl/*.whl" > /dev/null; then
+  say "installing $(ls "$whl" | wc -l) carried wheels (--no-index)"
   rm -rf /tmp/logra-site /tmp/logra-site-min
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/logra-site \
-    .whl/*.whl >> "$log" 2>&1 || say "wheel install FAILED (see log.txt)"
+    "$whl"/*.whl >> "$log" 2>&1 || say "wheel install FAILED (see log.txt)"
   # our pins of flax/optax first; if they do not import under this jax, only what the image lacks
   if ! PYTHONPATH="/tmp/logra-site:$PYTHONPATH" "$py" -c "import logra_jax.optimizers" >> "$log" 2>&1; then
     say "pinned flax/optax do not import here: using the image's, with ml-collections and gguf only"

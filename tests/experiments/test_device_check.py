@@ -20,8 +20,10 @@ def test_check_script_names_an_unknown_argument(tmp_path):
     assert not (tmp_path / "log.txt").exists()  # refused before anything ran
 
 
-def test_check_script_smoke_runs_every_step_and_prints_the_table(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable}
+def test_check_script_smoke_runs_every_step_and_prints_the_table(tmp_path, tmp_path_factory):
+    wheels = tmp_path_factory.mktemp("wheels")  # a carried wheel that --smoke (without --wheels) must not install
+    (wheels / "broken-0.0-py3-none-any.whl").write_bytes(b"not a wheel")
+    env = {**os.environ, "PYTHON": sys.executable, "WHEELS_DIR": str(wheels)}
     env.pop("OUT", None)
     proc = subprocess.run(["bash", "experiments/device/check.sh", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
