@@ -5,12 +5,18 @@ running time is linear in the (capped) input length, so adversarial text cannot 
 bound, or trigger regex backtracking.
 
 Final answer: the content of the last `\\boxed{...}` (braces balanced, nesting allowed) or the rest of the line
-after the last `####`, whichever marker comes last in the text.
+after the last `####`, whichever marker comes last in the whole text, however much text follows it (the scan is
+linear in the text's length).
 
 Numbers are compared exactly as fractions: "1,234" = "1234", "0.5" = "1/2" = "\\frac{1}{2}", "$18" = "18 dollars"
-= "18\\text{ dollars}", "50\\%" = "50", "2 million" = "2000000"; anything not numeric is compared as normalised
-text. Words after a number make it a number only when they are units from UNIT_WORDS (currencies, measures, counted
-things, "per …" phrases) after optional magnitude words (which are applied): "2x", "5i", "5 or six" are not numbers.
+= "18\\text{ dollars}", "50\\%" = "50", "2 million" = "2000000", "10^3" = "1 \\times 10^{3}" = "1000"; anything not
+numeric is compared as normalised text. Words after a number leave its value alone when they name what is counted
+or measured: units from UNIT_WORDS (currencies, measures, "per …" phrases), or any other word of three or more
+letters after a space ("5 apples") that is not in VALUE_WORDS, the words that change a value, name another one or
+hedge ("5 squared", "2 thirds", "2 pi", "5 or six"); magnitude words are applied ("2 million"). A single letter
+that is not a unit is a variable: "2x", "5i" are not numbers. Calculator E-notation ("1e3") is not a number: in
+mathematical text e is Euler's number, and the math graders of verl and TRL (math_verify) reject it too.
+The rules, each case and the reasons are in docs/grader.md.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-# Longest text scanned; model responses longer than this are cut from the front (the answer comes last).
-MAX_TEXT_CHARS = 20_000
+# Longest answer normalised as text (the final answer, not the response: responses are scanned whole).
+MAX_ANSWER_CHARS = 20_000
 # Longest answer string considered numeric; longer ones are compared as text.
 MAX_NUMBER_CHARS = 64
 # Expression limits for countdown answers (tokens and parenthesis depth).
@@ -48,19 +54,34 @@ UNIT_WORDS: frozenset[str] = frozenset({
     "unit", "point", "way", "integer", "digit", "student", "meal", "edge",
     "multiple", "time", "people", "person", "item", "piece", "page", "inches", "centuries",
 })
+# Words that may not follow a number as the name of what it counts: they change its value ("5 squared", "2 thirds"),
+# name another quantity ("2 pi", "3 theta"), join or hedge ("5 or six", "5 to 6", "5 maybe"). Plural "s" optional.
+VALUE_WORDS: frozenset[str] = frozenset({
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+    "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty", "thirty", "forty",
+    "fifty", "sixty", "seventy", "eighty", "ninety",
+    "half", "halves", "third", "quarter", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth",
+    "eleventh", "twelfth", "twentieth", "hundredth", "thousandth", "millionth",
+    "plus", "minus", "times", "over", "divided", "multiplied", "squared", "cubed", "factorial", "sqrt", "power",
+    "mod", "modulo", "choose", "log", "ln", "exp", "sin", "cos", "tan", "cot", "csc", "arcsin", "arccos", "arctan",
+    "pi", "tau", "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
+    "sigma", "phi", "chi", "psi", "omega", "infinity", "inf",
+    "and", "or", "nor", "to", "than", "but", "not", "no", "either", "neither", "maybe", "perhaps", "probably",
+    "possibly", "approximately", "approx", "roughly", "about", "around", "nearly", "almost", "least", "most",
+})
+_VOWELS = frozenset("aeiouy")
 # Magnitude words after a number multiply it ("2 million" = 2000000); they are applied, never ignored.
 MAGNITUDE_WORDS: dict[str, int] = {"dozen": 12, "hundred": 100, "thousand": 10**3, "million": 10**6,
                                    "billion": 10**9, "trillion": 10**12}
+# Scientific notation as mathematics writes it: "10^3", "2.5 \\times 10^{-3}", "3 \\cdot 10^8" (exponent ≤ 3 digits).
+_POWER_OF_TEN = re.compile(r"(?:([+-]?(?:\d+(?:\.\d+)?|\.\d+))\s*(?:\\times|\\cdot|×|·|\*)\s*)?10\s*\^\s*"
+                           r"(?:\{\s*([+-]?\d{1,3})\s*\}|(\d))")
 _FRAC = re.compile(r"([+-]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _FRAC_SHORT = re.compile(r"([+-]?)\\[dt]?frac(\d)(\d)")
 _TEXT_MACRO = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\{([^{}]*)\}")
 _LHS = re.compile(r"[A-Za-z]\w{0,15}\s*=")
 _NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$", "\\%", "$", "%", "^\\circ", "^{\\circ}",
           "°", "\\displaystyle")
-
-
-def _tail(text: str) -> str:
-    return text[-MAX_TEXT_CHARS:]
 
 
 def _last_boxed(text: str) -> tuple[int, str | None]:
@@ -112,7 +133,7 @@ def extract_boxed(text: str) -> str | None:
       >>> extract_boxed(r"so \\boxed{\\frac{1}{2}} and")
       '\\\\frac{1}{2}'
     """
-    return _last_boxed(_tail(text))[1]
+    return _last_boxed(text)[1]
 
 
 def extract_hash_answer(text: str) -> str | None:
@@ -122,7 +143,6 @@ def extract_hash_answer(text: str) -> str | None:
       >>> extract_hash_answer("48 + 24 = 72\\n#### 72")
       '72'
     """
-    text = _tail(text)
     i = text.rfind(_HASH)
     if i < 0:
         return None
@@ -139,7 +159,6 @@ def extract_answer(text: str) -> str | None:
       >>> extract_answer(r"#### 3 ... actually \\boxed{4}")
       '4'
     """
-    text = _tail(text)
     box_at, boxed = _last_boxed(text)
     hash_at = text.rfind(_HASH)
     if hash_at > box_at:
@@ -162,31 +181,42 @@ def _strip_noise(s: str) -> str:
     return s.strip().rstrip(".").strip()
 
 
-def _is_unit(word: str) -> bool:
-    word = word.lower()
-    return word in UNIT_WORDS or (len(word) > 2 and word.endswith("s") and word[:-1] in UNIT_WORDS)
+def _in(word: str, words: frozenset[str]) -> bool:
+    """word (lower case) or its singular (plural "s") is in `words`."""
+    return word in words or (len(word) > 2 and word.endswith("s") and word[:-1] in words)
+
+
+def _is_unit(word: str, spaced: bool) -> bool:
+    """A unit from UNIT_WORDS, or (after a space) the name of what is counted: a word of three or more letters
+    with a vowel that is not in VALUE_WORDS ("apples", "pencils"; not "squared", "pi", "or")."""
+    if _in(word, UNIT_WORDS):
+        return True
+    return spaced and len(word) >= 3 and not _VOWELS.isdisjoint(word) and not _in(word, VALUE_WORDS)
 
 
 def _units(rest: str) -> int | None:
-    """The product of the magnitude words that start `rest`, if the rest is a unit phrase (unit words, with
-    "per" or "/" between units: "dollars per day", "km/h", "m^2"); None for anything else (variables, hedges)."""
-    rest, words, i = rest.strip(), [], 0
+    """The product of the magnitude words that start `rest`, if the rest is a unit phrase (unit words or counted
+    things, with "per" or "/" between units: "dollars per day", "km/h", "m^2", "apples"); None for anything else
+    (variables, hedges, words that change the value)."""
+    rest, words, spaced, i = rest.rstrip(), [], [], 0
     while i < len(rest):
         m = _WORD.match(rest, i)
         if m is None:
             return None
         words.append(m.group(1).lower())
+        spaced.append(m.start(1) > i or words[-2:-1] == ["/"])
         i = m.end()
     scale = 1
     while words and words[0] in MAGNITUDE_WORDS:
         scale *= MAGNITUDE_WORDS[words.pop(0)]
+        spaced.pop(0)
     after_unit = False  # "per" and "/" need a unit on both sides
     for k, word in enumerate(words):
         if word in ("per", "/"):
             if not after_unit or k + 1 == len(words):
                 return None
             after_unit = False
-        elif _is_unit(word):
+        elif _is_unit(word, spaced[k]):
             after_unit = True
         else:
             return None
@@ -210,19 +240,27 @@ def parse_number(text: str) -> Fraction | None:
 
     Accepts: integers and decimals with an optional sign (ASCII or Unicode minus), thousands commas (groups of
     exactly three digits, so "1,2" is not a number), `a/b`, `\\frac{a}{b}` (also \\dfrac, \\tfrac, \\frac12),
-    currency and percent signs, degrees, a leading `x =`, and after the number magnitude words (applied: "2
-    million") and unit words from UNIT_WORDS, plain or in `\\text{unit}` ("18 dollars per day", "5 km/h").
-    Anything else after the number makes it not a number: "2x", "5i", "5 or six".
+    currency and percent signs, degrees, a leading `x =`, powers of ten (`10^{3}`, `2.5 \\times 10^{-3}`), and
+    after the number magnitude words (applied: "2 million") and the names of what it counts or measures, plain or
+    in `\\text{}` ("18 dollars per day", "5 km/h", "5 apples"). Anything else after the number makes it not a
+    number: "2x", "5i", "5 or six", "5 squared"; so does E-notation ("1e3").
 
     Example:
       >>> parse_number("$1,234.50 dollars")
       Fraction(2469, 2)
+      >>> parse_number("5 apples"), parse_number("1e3")
+      (Fraction(5, 1), None)
+      >>> parse_number(r"2.5 \\times 10^{-3}")
+      Fraction(1, 400)
       >>> parse_number(r"-\\frac{3}{4}") == parse_number("-0.75")
       True
     """
     if len(text) > MAX_NUMBER_CHARS:
         return None
     s = _strip_noise(text)
+    m = _POWER_OF_TEN.fullmatch(s)
+    if m:
+        return Fraction(m.group(1) or 1) * Fraction(10) ** int(m.group(2) or m.group(3))
     for pattern in (_FRAC, _FRAC_SHORT):
         m = pattern.fullmatch(s)
         if m:
@@ -252,7 +290,7 @@ def normalize_answer(text: str) -> str:
     value = parse_number(text)
     if value is not None:
         return str(value)
-    return "".join(_strip_noise(text[:MAX_TEXT_CHARS]).split())
+    return "".join(_strip_noise(text[:MAX_ANSWER_CHARS]).split())
 
 
 def answers_match(predicted: str | None, reference: str) -> bool:

@@ -8,7 +8,6 @@ from fractions import Fraction
 
 import pytest
 
-from logra_jax.rl import answers
 from logra_jax.rl.answers import (
     answers_match,
     extract_answer,
@@ -83,7 +82,6 @@ def test_extract_answer_takes_the_marker_that_comes_last():
     (r"\left( 3 \right)", None),
     ("1,2", None),
     ("12,34", None),
-    ("1e3", None),
     ("3/0", None),
     (r"\frac{1}{0}", None),
     ("seven", None),
@@ -108,7 +106,28 @@ def test_extract_answer_takes_the_marker_that_comes_last():
     ("5 or six", None),  # hedged
     ("5 or 6", None),
     ("5 dollars per", None),
-    ("7 apples", None),  # not in UNIT_WORDS: compared as text
+    # what is counted, after a space, leaves the value alone; words that change it, name another quantity or hedge
+    # do not (docs/grader.md)
+    ("7 apples", Fraction(7)),
+    ("5 pencils per box", Fraction(5)),
+    (r"5\text{ apples}", Fraction(5)),
+    ("5apples", None),  # no space: a product of variables to the parser, as "2abc" is
+    ("5 squared", None),
+    ("2 thirds", None),
+    ("3 halves", None),
+    ("5 factorial", None),
+    ("2 theta", None),
+    ("5 maybe", None),
+    ("5 to six", None),
+    # powers of ten as mathematics writes them; calculator E-notation is not a number
+    ("10^3", Fraction(1000)),
+    (r"10^{12}", Fraction(10**12)),
+    ("10^12", None),  # TeX: 10^1 followed by 2
+    (r"1 \times 10^{3}", Fraction(1000)),
+    (r"-2.5\times10^{-3}", Fraction(-1, 400)),
+    (r"3 \cdot 10^8", Fraction(3 * 10**8)),
+    ("1e3", None),
+    ("2.5E-3", None),
 ])
 def test_parse_number(text, value):
     assert parse_number(text) == value
@@ -139,6 +158,12 @@ def test_parse_number(text, value):
     (r"\sqrt3", r"\sqrt{3}", True),
     (r"2\sqrt3", r"2 \sqrt{3}", True),
     (r"\sqrt12", r"\sqrt{12}", False),  # TeX: \sqrt12 is \sqrt{1}2
+    ("5 apples", "5", True),
+    ("5 apples", "6", False),
+    ("5 squared", "25", False),  # not evaluated: compared as text
+    ("1e3", "1000", False),
+    ("1e3", "1e3", True),  # as text
+    (r"10^{3}", "1000", True),
 ])
 def test_answers_match(predicted, reference, match):
     assert answers_match(predicted, reference) is match
@@ -240,6 +265,19 @@ def test_adversarial_text_is_parsed_never_executed(monkeypatch, tmp_path):
     assert not sentinel.exists()
 
 
-def test_long_text_is_cut_from_the_front():
-    text = "x" * (2 * answers.MAX_TEXT_CHARS) + r" \boxed{5}"
-    assert extract_answer(text) == "5"
+# The three labelled cases, as whole responses graded by the reward (the decisions: docs/grader.md).
+_SUFFIX = " Let me double-check this: the computation above is consistent, nothing changes." * 400  # 33,600 chars
+
+
+@pytest.mark.parametrize("response, reference, correct", [
+    (r"There are $\boxed{5 apples}$ left.", "5", True),
+    (r"There are $\boxed{5 \text{apples}}$ left.", "5", True),
+    (r"So $x = \boxed{1e3}$.", "1000", False),
+    (r"So $x = \boxed{10^{3}}$.", "1000", True),
+    (r"The answer is $\boxed{42}$." + _SUFFIX, "42", True),
+    (r"The answer is $\boxed{42}$." + _SUFFIX + r" No: $\boxed{41}$.", "42", False),
+    ("x" * 50_000 + r" \boxed{5}", "5", True),
+])
+def test_labelled_cases(response, reference, correct):
+    assert answers_match(extract_answer(response), reference) is correct
+
