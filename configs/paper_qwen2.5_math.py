@@ -1,4 +1,4 @@
-r"""The paper's recipe (LOGRA.md §7) for Qwen2.5-Math-1.5B / 7B on accelerators.
+r"""The paper's recipe (docs/method.md §7) for Qwen2.5-Math-1.5B / 7B on accelerators.
 
 Single-response REINFORCE with a running baseline (outcome 1 if correct else −0.01, baseline = EMA 0.1 of earlier
 batches), truncated importance sampling (rollout vs trainer) capped at 2, no reference KL, LoGRA at rank 256

@@ -1,4 +1,4 @@
-"""Bytes and time per policy sync: low-rank deltas (LOGRA.md §6) against full-weight snapshots.
+"""Bytes and time per policy sync: low-rank deltas (docs/method.md §6) against full-weight snapshots.
 
   python experiments/sync/bench.py                      # writes bench.json and bench.png next to this file
   python experiments/sync/bench.py --repeats 20 --out-dir /tmp/sync

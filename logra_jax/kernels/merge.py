@@ -1,8 +1,8 @@
 """The low-rank merge: K ← K + (U A)ᵀ = K + Aᵀ Uᵀ, tiled so that only one block of ΔW exists at a time.
 
 LoGRA notation: W [d, k] = Kᵀ with K the Flax kernel [k, d]; U [d, r] the update factor; A [r, k] the projection.
-Optax convention: updates are added, so the caller passes the already-negated factor (U = −α D for LOGRA.md §5).
-With `round_bf16` U is rounded to bfloat16 first, the "wire" format the rollout engine receives (LOGRA.md §6);
+Optax convention: updates are added, so the caller passes the already-negated factor (U = −α D for docs/method.md §5).
+With `round_bf16` U is rounded to bfloat16 first, the "wire" format the rollout engine receives (docs/method.md §6);
 the product is accumulated in float32 either way and the sum rounded once to K's dtype:
   K_new = cast_K( K + Aᵀ · round(U)ᵀ ).
 
@@ -96,7 +96,7 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
       kernel: K [k, d] in Flax layout (any float dtype; the result keeps it).
       factor: U [d, r], already carrying the sign and step size (optax adds updates).
       a: projection A [r, k].
-      round_bf16: round U to bfloat16 before the product (the wire format of LOGRA.md §6).
+      round_bf16: round U to bfloat16 before the product (the wire format of docs/method.md §6).
       implementation: "xla" (one expression) or "pallas" (block-tiled kernel, K aliased in → out).
       interpret: Pallas only: run the kernel in the Pallas interpreter (required on CPU).
       block_d, block_k: Pallas only: block sizes along d and k (None: 512 on TPU, clipped to the array; 64 on

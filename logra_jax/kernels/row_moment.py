@@ -1,4 +1,4 @@
-"""RowAdam's per-row second moment and row scaling (LOGRA.md §4) in one pass over the sketch S [d, r].
+"""RowAdam's per-row second moment and row scaling (docs/method.md §4) in one pass over the sketch S [d, r].
 
 For step t = count + 1 (count: completed updates, optax's state count) and row state v [d]:
   v_i ← β₂ v_i + (1 − β₂) · mean_j S_ij²
@@ -47,7 +47,7 @@ def _bias_correction(count: jax.Array, b2: jax.Array) -> jax.Array:
 
 def row_moment_reference(s: jax.Array, v: jax.Array, count: jax.Array, *, b2: float | jax.Array,
                          eps: float | jax.Array, variant: str) -> tuple[jax.Array, jax.Array]:
-    """Plain jnp RowAdam step, written from LOGRA.md §4: returns (v_new [d], D [d, r]), both float32."""
+    """Plain jnp RowAdam step, written from docs/method.md §4: returns (v_new [d], D [d, r]), both float32."""
     s = s.astype(jnp.float32)
     v_new = b2 * v.astype(jnp.float32) + (1.0 - b2) * jnp.mean(s * s, axis=1)
     rho = jnp.sqrt(v_new * _bias_correction(count, b2))

@@ -5,7 +5,7 @@ The optax transformations in logra_jax.optim know no model; this package is wher
   every LoGRA target layer a probe whose gradient is its sketch S = G Aᵀ (no dense target gradient is ever
   formed), and `sketching(step)` switches the hooks on inside a traced step (`kind="tangent"` for the factored
   JVP δy = (X Aᵀ) Uᵀ).
-- `kl_probe`: the predicted-KL probe of LOGRA.md §5 (q of a proposed update on probe responses, through the
+- `kl_probe`: the predicted-KL probe of docs/method.md §5 (q of a proposed update on probe responses, through the
   tangent hooks) and the realised KL; `optim.predicted_kl.scale_by_predicted_kl` turns q into the step scale.
 """
 

@@ -1,4 +1,4 @@
-"""The predicted-KL probe: q of a proposed low-rank update on probe responses, and the realised KL (LOGRA.md §5).
+"""The predicted-KL probe: q of a proposed low-rank update on probe responses, and the realised KL (docs/method.md §5).
 
   p = softmax(z/T), u = δz/T,   q_t = ½ Σ_v p_v (u_v − Σ_w p_w u_w)²        (KL(π_θ ‖ π_θ+αΔ) = α² q + O(α³))
   q = Σ_t q_t / #t over the probed (generated) positions

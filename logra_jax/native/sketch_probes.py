@@ -2,14 +2,14 @@
 
 `attach_sketch_probes(model, spec)` gives every LoGRA target Linear of an NNX model
   - a `SketchProbe` [*batch, d, r] (zeros; its gradient is the sketch S, logical axes follow the weight rows),
-  - a `SketchDigest` [*batch, 2] (BLAKE2b digest words of each slice's canonical path, LOGRA.md §2),
+  - a `SketchDigest` [*batch, 2] (BLAKE2b digest words of each slice's canonical path, docs/method.md §2),
   - a hook that, inside `sketching(step)`, regenerates A = projection(seed(base, step, path)) per layer and runs
     `kernels.sketched_linear` (forward keeps X Aᵀ, backward returns Hᵀ(X Aᵀ) into the probe) with the spec's
     `implementation` ("xla" einsums, or the fused Pallas kernels; `interpret=True` runs those on CPU).
 Outside a `sketching` block the hooked layers compute the plain y = x·K, so rollouts and evaluation are unchanged.
 Inside `sketching(step, kind="tangent")` they compute y = x·K + (X Aᵀ)·Pᵀ, whose JVP with respect to the probes
 with tangent U gives δy = (X Aᵀ) Uᵀ = X·ΔKᵀ-free: the factored form of the low-rank update ΔW = U·A, used by the
-predicted-KL probe (LOGRA.md §5) without building ΔW.
+predicted-KL probe (docs/method.md §5) without building ΔW.
 
 The step must be traced inside the function being jitted: enter `sketching` inside it, never around a jit call
 (the jit cache does not see context variables).

@@ -1,4 +1,4 @@
-"""LoGRA as composable optax transformations (dense-gradient mode; LOGRA.md §1–§4).
+"""LoGRA as composable optax transformations (dense-gradient mode; docs/method.md §1–§4).
 
   tx = logra(rank=256)                                  # or logra(spec=SketchSpec(...)), or chain the pieces
   updates, state = tx.update(grads, state, params)

@@ -1,4 +1,4 @@
-"""logra(...): the LoGRA optimizer as one optax GradientTransformation (LOGRA.md §1–§4).
+"""logra(...): the LoGRA optimizer as one optax GradientTransformation (docs/method.md §1–§4).
 
   targets:      named_chain(("sketch", scale_by_sketch), ("row_adam", scale_by_row_adam), <step size>,
                             [("predicted_kl", scale_by_predicted_kl)], <negation>)
@@ -26,7 +26,7 @@ unrecognised frame layout (another optax version) makes the check a no-op: it is
 is at every consumer of a LowRankUpdate (`LowRankUpdate.check_step`: a non-int32 step or a mis-shaped factor
 raises TypeError with the same advice), and `W + u` raises TypeError saying which merge to use.
 Keyword extra args given to `update` reach every transform in the chain: with `kl_control`, the predicted-KL
-step control (LOGRA.md §5) sits just before the negation and takes `kl_probe=` / `kl_prediction=`.
+step control (docs/method.md §5) sits just before the negation and takes `kl_probe=` / `kl_prediction=`.
 `implementation="pallas"` runs RowAdam's row moment and the merge through the Pallas kernels of logra_jax.kernels
 (in sketch-native mode build the SketchSpec once and give it to both `attach_sketch_probes` and `logra(spec=...)`);
 "xla" is the default everywhere.
@@ -196,7 +196,7 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
           dense_updates: bool = False, spec: SketchSpec | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
-    Per target layer l (LOGRA.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
+    Per target layer l (docs/method.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
       paper/sgd: W_l ← W_l − bf16(factor · D_l) A_l, factor = update_ratio · sqrt(Σ‖W‖² / Σ‖D A‖²)
       nemo:      W_l ← (1 − lr·wd) W_l − lr · D_l A_l
     bf16(·): the factor rounded at merge time when round_bf16, by default for paper/sgd (their wire format) and

@@ -1,4 +1,4 @@
-"""Predicted-KL step control (LOGRA.md §5).
+"""Predicted-KL step control (docs/method.md §5).
 
 Before a low-rank update is merged, predict the per-token KL it will cause on a few probe responses and scale
 it so that the prediction meets a budget:

@@ -1,4 +1,4 @@
-"""Projections A [r, k]: regenerated from (base seed, step, layer path), never stored (LOGRA.md §2).
+"""Projections A [r, k]: regenerated from (base seed, step, layer path), never stored (docs/method.md §2).
 
   seed = (base · 1_000_003 + step · 7_919 + digest(path)) mod 2^62
   digest(path) = BLAKE2b with digest_size=8 of the UTF-8 canonical path, read little endian (the authors' formula;
@@ -36,7 +36,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def path_digest(path: str) -> int:
-    """digest(path): `hashlib.blake2b(path.encode("utf-8"), digest_size=8)` read little endian (LOGRA.md §2).
+    """digest(path): `hashlib.blake2b(path.encode("utf-8"), digest_size=8)` read little endian (docs/method.md §2).
 
     Example:
       >>> path_digest("blocks.attn.q_proj.kernel.0") < 2**64
@@ -63,7 +63,7 @@ def layer_seed(base_seed: int, step: int, path: str) -> int:
     seed = (base_seed · 1_000_003 + step · 7_919 + digest(path)) mod 2^62
 
     Args:
-      base_seed: the run's base seed (LOGRA.md default 42), a non-negative int.
+      base_seed: the run's base seed (docs/method.md default 42), a non-negative int.
       step: number of completed updates (0 for a fixed projection), a non-negative int.
       path: the layer's canonical path (a batch slice i of a stacked kernel is "path.i").
 

@@ -1,4 +1,4 @@
-"""scale_by_row_adam: one second moment per output row, no first moment (LOGRA.md §4).
+"""scale_by_row_adam: one second moment per output row, no first moment (docs/method.md §4).
 
 Per target batch slice (one layer) with sketch S [d, r], row moment v [d] (float32) and t = updates + 1:
   v ← β₂ v + (1 − β₂) · mean_j S_ij²
@@ -129,7 +129,7 @@ def _row_moment_slices(s: jax.Array, v: jax.Array, count: jax.Array, target: Tar
 def scale_by_row_adam(variant: Variant = "paper", b2: float = 0.95, eps: float = 1e-8,
                       rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES, *, implementation: Implementation = "xla",
                       interpret: bool = False) -> optax.GradientTransformationExtraArgs:
-    """RowAdam on low-rank updates: factor S → D per LOGRA.md §4 (see the module docstring for the equations).
+    """RowAdam on low-rank updates: factor S → D per docs/method.md §4 (see the module docstring for the equations).
 
     Acts on LowRankUpdate leaves (place after `scale_by_sketch`); other leaves pass through unchanged.
 

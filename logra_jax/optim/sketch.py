@@ -1,4 +1,4 @@
-"""scale_by_sketch: dense gradient G → sketch S = G Aᵀ of every target (dense-gradient mode, LOGRA.md §3).
+"""scale_by_sketch: dense gradient G → sketch S = G Aᵀ of every target (dense-gradient mode, docs/method.md §3).
 
 The layers of a stacked target are sketched one at a time (`lax.map`): only one layer's A [r, k] exists at any
 moment, instead of all L of them (at Qwen2.5-7B, r = 256, A of all 28 down_proj layers is 0.5 GiB per device).

@@ -1,4 +1,4 @@
-"""SketchSpec: the one declaration of how LoGRA sketches and merges (LOGRA.md §2–§3).
+"""SketchSpec: the one declaration of how LoGRA sketches and merges (docs/method.md §2–§3).
 
 Every setting that must agree between the places that draw a projection or merge a low-rank update lives here
 once: rank r, projection base seed and distribution, refresh every step, the target rules, bf16 rounding of the

@@ -1,4 +1,4 @@
-"""scale_by_update_ratio: the global, weight-norm-relative LoGRA step size (LOGRA.md §4).
+"""scale_by_update_ratio: the global, weight-norm-relative LoGRA step size (docs/method.md §4).
 
   factor = ratio · sqrt(Σ_l ‖W_l‖²_F / Σ_l ‖D_l A_l‖²_F),   D_l ← factor · D_l
 The sums run over the layers l of all targets that carry a low-rank update (every batch slice of every target
@@ -98,14 +98,14 @@ def layer_ratio_factor(u: LowRankUpdate, weight: Any, ratio: float | jax.Array) 
 def scale_by_update_ratio(ratio: float = 6e-5, scope: str = "global") -> optax.GradientTransformationExtraArgs:
     """Scale every low-rank factor so the whole step has norm `ratio` relative to the target weights.
 
-    scope "global" (LOGRA.md): D_l ← ratio · sqrt(Σ_l ‖W_l‖²_F / Σ_l ‖D_l A_l‖²_F) · D_l, one factor for all
+    scope "global" (docs/method.md): D_l ← ratio · sqrt(Σ_l ‖W_l‖²_F / Σ_l ‖D_l A_l‖²_F) · D_l, one factor for all
     layers, which then move in proportion to their sketches' norms. scope "layer" (a LARS-style trust ratio, not
     in the paper): D_l ← ratio · ‖W_l‖_F / ‖D_l A_l‖_F · D_l, every layer (batch slice of every target) moves by
     the same fraction of its own norm, so layers with small gradients are not starved.
     Other leaves pass through unchanged; a decay term (if any) is not scaled. Needs `params`.
 
     Args:
-      ratio: the update-to-weight norm ratio (LOGRA.md: 6e-5); may be an array under inject_hyperparams.
+      ratio: the update-to-weight norm ratio (docs/method.md: 6e-5); may be an array under inject_hyperparams.
       scope: "global" or "layer".
 
     Returns:

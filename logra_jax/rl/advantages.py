@@ -7,7 +7,7 @@ With group g = {r_1..r_n}, mean r̄_g, unbiased std s_g, batch mean r̄ and std 
   rloo          A_i = r_i − (Σ_{j≠i} r_j)/(n − 1) = n/(n − 1) · (r_i − r̄_g)         (leave-one-out; n ≥ 2)
   reinforce     A_i = r_i − b_k, with b_k = EMA of the mean rewards of earlier batches:
                 b_1 = r̄_batch(0), b_{k+1} = (1 − m) b_k + m r̄_batch(k), b for the first batch = 0
-                (LOGRA.md §7: single response, m = 0.1)
+                (docs/method.md §7: single response, m = 0.1)
   reinforce++   A_i = (r_i − r̄) / (s + ε) over the whole batch (REINFORCE++ global normalisation; with
                 group_baseline the group mean is subtracted first: REINFORCE++-baseline). Mean and std are
                 over responses by default; whiten="token" weights each response by its length, as verl does

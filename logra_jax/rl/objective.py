@@ -44,7 +44,7 @@ def probe_batch_shapes(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct
 
 def probe_rows(prompts: int, num_samples: int, count: int, seed: int | tuple[int, ...]) -> np.ndarray:
     """Rows of a rollout (row b·n + j = sample j of prompt b) for the predicted-KL probe: `count` responses
-    spread over min(count, prompts) distinct prompts (LOGRA.md §5: several samples of one prompt are not a
+    spread over min(count, prompts) distinct prompts (docs/method.md §5: several samples of one prompt are not a
     representative probe), deterministic given `seed` (an int or a tuple such as (run seed, step)).
 
     The prompts are evenly spaced over the batch from a seeded offset; each gets a seeded sample. With count >

@@ -1,6 +1,6 @@
 """Verifiable rewards: outcome correctness, an optional format bonus, and guarded batch scoring.
 
-Outcome reward (LOGRA.md §7, values configurable):
+Outcome reward (docs/method.md §7, values configurable):
   R(response) = correct     if the response's final answer verifies against the problem
               = incorrect   otherwise (no answer, wrong answer, unparsable text)          (paper: 1 / −0.01)
   R += format_weight · 1[the response has a well-formed final answer]                    (optional, default 0)

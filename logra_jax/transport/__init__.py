@@ -1,4 +1,4 @@
-"""The trainer ↔ rollout-engine transport (LOGRA.md §6), beside logra_jax.rl.
+"""The trainer ↔ rollout-engine transport (docs/method.md §6), beside logra_jax.rl.
 
 - `sync`: what travels: low-rank delta payloads (bf16 factors, seeds, weight fingerprint, checksum) and full
   snapshots, their framing, and `PolicySync`, the trainer's sending end (resync on any mismatch).

@@ -1,4 +1,4 @@
-"""Low-rank policy synchronization, trainer → rollout engine (LOGRA.md §6): payloads, wire format, trainer side.
+"""Low-rank policy synchronization, trainer → rollout engine (docs/method.md §6): payloads, wire format, trainer side.
 
 Per update the trainer ships, for every target, the factor exactly as its merge consumed it (bf16(U) when the
 update rounds to bf16, U = −α·D already carrying the sign, else U in float32), the seed triple's step and the

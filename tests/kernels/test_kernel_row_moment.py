@@ -1,4 +1,4 @@
-"""row_moment (RowAdam, LOGRA.md §4) against a float64 numpy loop, over several steps, plus its invariants."""
+"""row_moment (RowAdam, docs/method.md §4) against a float64 numpy loop, over several steps, plus its invariants."""
 
 import math
 
@@ -18,7 +18,7 @@ def rel_err(x, ref) -> float:
 
 
 def numpy_row_adam(s, v, t, b2, eps, variant):
-    """LOGRA.md §4 row by row in float64."""
+    """docs/method.md §4 row by row in float64."""
     s = np.asarray(s, np.float64)
     d, r = s.shape
     v_new, rho = np.zeros(d), np.zeros(d)

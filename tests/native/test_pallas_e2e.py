@@ -93,7 +93,7 @@ SHAPE, R = (3, 2, 4, 5), 3
 
 
 def _numpy_row_adam(s, v, t, variant, b2=0.95, eps=1e-8):
-    """LOGRA.md §4 per batch slice in float64; s (L, d, r), v (L, d)."""
+    """docs/method.md §4 per batch slice in float64; s (L, d, r), v (L, d)."""
     v = b2 * v + (1 - b2) * np.mean(s**2, axis=-1)
     rho = np.sqrt(v / (1 - b2**t))
     if variant == "nemo":

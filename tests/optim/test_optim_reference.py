@@ -111,7 +111,7 @@ def ref_projections(path, step, dist):
 
 
 def ref_row_adam(s, v, t, variant, b2, eps):
-    """One literal LOGRA.md §4 step for one layer: s [d, r], v [d] → (D, v)."""
+    """One literal docs/method.md §4 step for one layer: s [d, r], v [d] → (D, v)."""
     if variant == "sgd":
         return s, v
     v = b2 * v + (1 - b2) * np.mean(s ** 2, axis=1)

@@ -140,7 +140,7 @@ def test_bad_config_is_a_clear_error(tmp_path, section, field, value, message, t
 def test_defaults_validate():
     run = RunConfig.from_dict({})
     assert run == RunConfig()
-    opt = run.optimizer  # the paper's settings (LOGRA.md §4, §5)
+    opt = run.optimizer  # the paper's settings (docs/method.md §4, §5)
     assert (opt.name, opt.variant, opt.update_ratio, opt.b2, opt.eps) == ("logra", "paper", 6e-5, 0.95, 1e-8)
     assert (opt.kl_budget, opt.kl_budget_final, opt.kl_schedule_steps, opt.alpha_max) == (2e-4, 2e-5, 300, 3.0)
     assert opt.round_bf16 is None and run.algorithm.tis_cap == 2.0
