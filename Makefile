@@ -9,7 +9,14 @@ RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 WORKDIR ?= runs/demo
 
-.PHONY: demo test lint clean
+# Compile-only environments (`make venv-tpu`, `make venv-cuda`): the real TPU and NVIDIA compilers, run
+# deviceless with JAX_PLATFORMS=cpu (logra_jax/aot.py). Never part of `make test`'s set-up; each is its own venv
+# so that the main one never probes for an accelerator.
+JAX_PIN := $(shell sed -n 's/^jax==//p' requirements.txt)
+JAX_EXTRA_tpu := tpu
+JAX_EXTRA_cuda := cuda13
+
+.PHONY: demo test lint clean venv-tpu venv-cuda
 
 $(RUN_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +37,16 @@ lint: $(DEV_STAMP)
 
 test: $(DEV_STAMP) lint
 	$(PY) -m pytest -q -n 2 --durations=15 tests
+
+venv-tpu venv-cuda: venv-%: .venv-%/.installed
+.PRECIOUS: .venv-%/.installed
+
+.venv-%/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt \
+		"jax[$(JAX_EXTRA_$*)]==$(JAX_PIN)" $$(grep -E '^(pytest|pytest-xdist)==' requirements-dev.txt)
+	.venv-$*/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $@
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from logra_jax.derived_specs import MeshAxes, as_tuple, derive_spec, entry
+from logra_jax.kernels.backend import compiling_for
 from logra_jax.tree_paths import path_keys
 
 T = TypeVar("T")
@@ -474,7 +475,8 @@ def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = D
 
     Args:
       step: a pure step function; its positional arguments are sharded by `in_shardings`.
-      mesh, rules: activated (`use_rules`) while `step` is traced, so the model's `constrain` calls apply.
+      mesh, rules: activated (`use_rules`) while `step` is traced, so the model's `constrain` calls apply; the
+        Pallas kernels are chosen for the mesh's devices (`kernels.backend.compiling_for`).
       in_shardings: per positional argument (a tree of NamedShardings or a prefix).
       out_shardings: for the outputs; a None entry leaves a sub-tree to the compiler.
       donate_argnums: arguments whose buffers the outputs may reuse (default: the train state).
@@ -497,7 +499,7 @@ def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = D
     """
     @functools.wraps(step)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), compiling_for(mesh):  # kernels follow the mesh's devices, not the host
             return step(*args, **kwargs)
 
     return jax.jit(traced, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums,

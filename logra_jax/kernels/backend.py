@@ -1,6 +1,7 @@
 """What every Pallas kernel of logra_jax shares: the implementation switch, block sizes, edge masks, compiler params.
 
-`implementation="pallas"` selects, by JAX's default backend (`pallas_target`):
+`implementation="pallas"` selects, by the platform the function is compiled for (`pallas_target`; the devices
+given to `compiling_for`, which `sharding.jit_train_step` enters for its mesh, else JAX's default backend):
 - TPU: the portable kernels of merge.py, row_moment.py and project.py (`pl.pallas_call` with a grid and
   BlockSpecs, jnp ops inside), compiled by Mosaic TPU with the dimension semantics given here (reductions on the
   last, "arbitrary" grid axes; an output block that is revisited stays resident in VMEM and is written back once).
@@ -21,7 +22,11 @@ GPU kernels mask every load and store instead.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
@@ -33,9 +38,78 @@ Implementation = Literal["xla", "pallas"]
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas")
 PALLAS_TARGETS: tuple[str, ...] = ("tpu", "gpu")  # the kernel sets implementation="pallas" can select
 
-# Mosaic TPU's default scoped-VMEM limit is 16-32 MiB depending on the chip; kernels whose resident blocks need
-# more ask for it explicitly (up to what the chip has; the compiler reports a request it cannot meet).
+# Mosaic TPU's default scoped-VMEM limit is 16-32 MiB depending on the chip (16 MiB on v5e); kernels whose resident
+# blocks need more ask for it explicitly, up to what the chip has (`TPU_VMEM_BYTES`).
 _DEFAULT_VMEM_BYTES = 16 << 20
+
+# VMEM per TPU device (bytes) by `jax.Device.device_kind`, as the TPU compiler (libtpu 0.0.42.1) allocates it:
+# measured by compiling a kernel whose scratch is too large, which it refuses with "would exceed memory
+# (size=N)" (experiments/kernels/aot/README.md). v4's compile-only devices are single TensorCores.
+TPU_VMEM_BYTES: dict[str, int] = {"TPU v4": 16 << 20, "TPU v5 lite": 128 << 20, "TPU v5": 64 << 20,
+                                  "TPU v6 lite": 128 << 20}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTarget:
+    """What a kernel is compiled for: the platform ("tpu", "gpu", "cpu", ...) and the device kind.
+
+    Hashable, so jitted kernel wrappers take it as a static argument: a trace made for one chip is never reused
+    for another (the jit cache does not see context variables).
+    """
+
+    platform: str
+    device_kind: str = ""
+
+    @property
+    def vmem_bytes(self) -> int | None:
+        """VMEM a TPU kernel may use on this chip (`TPU_VMEM_BYTES`); None for a chip not listed there."""
+        return TPU_VMEM_BYTES.get(self.device_kind)
+
+
+def _platform_of(device: Any) -> str:
+    platform = str(device.platform).lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def target_of(devices: Any) -> KernelTarget:
+    """The KernelTarget of a device, a sequence or array of devices, or a Mesh (its first device)."""
+    if isinstance(devices, KernelTarget):
+        return devices
+    if isinstance(devices, jax.sharding.Mesh):
+        devices = devices.devices
+    first = np.asarray(devices, dtype=object).reshape(-1)[0] if not hasattr(devices, "platform") else devices
+    return KernelTarget(_platform_of(first), str(getattr(first, "device_kind", "")))
+
+
+_COMPILING_FOR: contextvars.ContextVar[KernelTarget | None] = contextvars.ContextVar("compiling_for", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(devices: Any) -> Iterator[KernelTarget]:
+    """Kernels traced inside the block are chosen for `devices` (device(s), a Mesh or a KernelTarget).
+
+    Enter it around tracing/lowering (`jax.jit(f).lower(...)`), or inside the function being jitted;
+    `logra_jax.sharding.jit_train_step` enters it for its mesh, so a step lowered for compile-only TPU or GPU
+    devices (logra_jax.aot) gets those platforms' kernels on a CPU host. jit's cache keys on the arguments and
+    their shardings, not on this context: lower for a target with arguments placed on its devices (as
+    `jit_train_step` and logra_jax.aot do), or use a fresh function.
+    """
+    token = _COMPILING_FOR.set(target_of(devices))
+    try:
+        yield _COMPILING_FOR.get()
+    finally:
+        _COMPILING_FOR.reset(token)
+
+
+def current_target() -> KernelTarget:
+    """The target of the innermost `compiling_for`, else JAX's default backend (and its first device's kind)."""
+    target = _COMPILING_FOR.get()
+    if target is not None:
+        return target
+    platform = jax.default_backend()
+    device = jax.devices()[0]
+    kind = str(device.device_kind) if _platform_of(device) == platform else ""
+    return KernelTarget(platform, kind)
 
 
 def check_implementation(implementation: str, where: str) -> str:
@@ -63,7 +137,7 @@ _VERIFIED_PALLAS_PLATFORMS: frozenset[str] = frozenset()
 
 
 def default_implementation(platform: str | None = None) -> Implementation:
-    """The implementation to use on `platform` (default: JAX's default backend).
+    """The implementation to use on `platform` (default: the platform compiled for, `current_target`).
 
     "pallas" only on platforms where the kernels have been verified on the hardware; none yet (they lower for
     TPU but have not run on one), so this is "xla" everywhere and Pallas is opt-in with `implementation="pallas"`.
@@ -72,7 +146,7 @@ def default_implementation(platform: str | None = None) -> Implementation:
       >>> default_implementation("cpu"), default_implementation("tpu")
       ('xla', 'xla')
     """
-    platform = jax.default_backend() if platform is None else platform
+    platform = current_target().platform if platform is None else platform
     return "pallas" if platform in _VERIFIED_PALLAS_PLATFORMS else "xla"
 
 
@@ -113,13 +187,15 @@ def zero_outside(x: jax.Array, axis: int, block_index: jax.Array, block: int, si
 def pallas_target(where: str, interpret: bool, platform: str | None = None) -> str:
     """Which Pallas kernels `where` runs: "tpu" (also for interpret=True, anywhere) or "gpu" (compiled on CUDA).
 
+    `platform` defaults to the platform being compiled for (`current_target`), not the host's.
+
     Raises:
       ValueError: compiled (interpret=False) on CPU, where Pallas only interprets.
       NotImplementedError: compiled on another platform (e.g. ROCm), naming the kernel and the platform.
     """
     if interpret:
         return "tpu"
-    platform = jax.default_backend() if platform is None else platform
+    platform = current_target().platform if platform is None else platform
     if platform in ("tpu", "gpu"):
         return platform
     if platform == "cpu":
@@ -140,20 +216,26 @@ def block_or(value: Any, default: int) -> Any:
     return default if value is None else value
 
 
-def compiler_params(dimension_semantics: tuple[str, ...], vmem_bytes: int | None = None) -> Any:
+def compiler_params(dimension_semantics: tuple[str, ...], vmem_bytes: int | None = None,
+                    target: KernelTarget | None = None) -> Any:
     """Mosaic TPU compiler params for a kernel whose grid axes are 'parallel' or 'arbitrary' (sequential).
 
     Args:
       dimension_semantics: one entry per grid axis; 'arbitrary' marks axes along which an output block is
         revisited (reductions), which must run in order on one core.
-      vmem_bytes: estimated VMEM footprint of the blocks; a limit above the default is requested when larger.
+      vmem_bytes: estimated VMEM footprint of the blocks; above the 16 MiB every chip allows by default, a
+        limit with 25% + 4 MiB headroom is requested, capped at the chip's VMEM where it is known
+        (`KernelTarget.vmem_bytes`).
+      target: the chip compiled for (default `current_target()`).
 
     Returns:
-      `pltpu.CompilerParams` when JAX's default backend is a TPU, else None (the interpreter needs none).
+      `pltpu.CompilerParams` when compiling for a TPU, else None (the interpreter needs none).
     """
-    if jax.default_backend() != "tpu":
+    target = current_target() if target is None else target
+    if target.platform != "tpu":
         return None
     limit = None
     if vmem_bytes is not None and vmem_bytes > _DEFAULT_VMEM_BYTES:
         limit = int(vmem_bytes * 1.25) + (4 << 20)
+        limit = limit if target.vmem_bytes is None else min(limit, target.vmem_bytes)
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=limit)

@@ -23,10 +23,12 @@ from jax.experimental import pallas as pl
 
 from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
+    KernelTarget,
     block_or,
     check_block,
     check_implementation,
     compiler_params,
+    current_target,
     fit_block,
     num_blocks,
     pallas_target,
@@ -50,7 +52,7 @@ def _merge_kernel(k_ref, u_ref, at_ref, o_ref, *, round_bf16: bool):
 
 
 def _merge_pallas(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: bool, interpret: bool,
-                  block_d: int, block_k: int) -> jax.Array:
+                  block_d: int, block_k: int, chip: KernelTarget) -> jax.Array:
     (k, d), (_, r) = kernel.shape, factor.shape
     bk, bd = fit_block(k, block_k), fit_block(d, block_d)
     # Aᵀ [k, r] costs one pass over k·r elements and turns the block product into the native a·bᵀ form.
@@ -69,22 +71,22 @@ def _merge_pallas(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_b
         ],
         out_specs=pl.BlockSpec((bk, bd), lambda ki, di: (ki, di)),
         input_output_aliases={0: 0},
-        compiler_params=compiler_params(("parallel", "parallel"), vmem),
+        compiler_params=compiler_params(("parallel", "parallel"), vmem, chip),
         interpret=interpret,
         name="logra_merge",
     )(kernel, factor, a_t)
 
 
 @functools.partial(jax.jit, static_argnames=("round_bf16", "implementation", "interpret", "block_d", "block_k",
-                                              "target"))
-def _merge(kernel, factor, a, *, round_bf16, implementation, interpret, block_d, block_k, target):
+                                              "target", "chip"))
+def _merge(kernel, factor, a, *, round_bf16, implementation, interpret, block_d, block_k, target, chip):
     if implementation == "xla":
         return merge_reference(kernel, factor, a, round_bf16=round_bf16)
     if target == "gpu":
         return gpu.merge_gpu(kernel, factor, a, round_bf16=round_bf16, interpret=interpret,
                              block_d=block_or(block_d, 64), block_k=block_or(block_k, 64))
     return _merge_pallas(kernel, factor, a, round_bf16=round_bf16, interpret=interpret,
-                         block_d=block_or(block_d, 512), block_k=block_or(block_k, 512))
+                         block_d=block_or(block_d, 512), block_k=block_or(block_k, 512), chip=chip)
 
 
 def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: bool = False,
@@ -127,4 +129,5 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
         raise ValueError(f"merge: shapes do not chain (kernel [k, d], factor [d, r], a [r, k]): kernel "
                          f"{kernel.shape}, factor {factor.shape}, a {a.shape}")
     return _merge(kernel, factor, a, round_bf16=bool(round_bf16), implementation=implementation,
-                  interpret=bool(interpret), block_d=block_d, block_k=block_k, target=target)
+                  interpret=bool(interpret), block_d=block_d, block_k=block_k, target=target,
+                  chip=current_target() if implementation == "pallas" else None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +30,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
+    KernelTarget,
     block_or,
     check_block,
     check_implementation,
     compiler_params,
+    current_target,
     fit_block,
     num_blocks,
     pallas_target,
@@ -168,9 +171,73 @@ def _check_tpu_kernel(where: str, interpret: bool) -> None:
                                   "sketched_linear(..., implementation='pallas'), which picks it")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_t", "block_d", "block_k"))
-def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: bool = False, block_t: int = 256,
-                  block_d: int = 512, block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+# ----------------------------------------------------------------------------------------------------------------
+# VMEM footprints and block choice. The TPU compiler keeps two buffers of every pipelined block (the next one is
+# fetched while the current one is used), one of an output block whose index never changes (S), and the scratch:
+# these formulas reproduce its report exactly (21.25 MiB for the backward at T 4096, d 18944, k 3584, r 256 bf16
+# with blocks 256/512/512; experiments/kernels/aot/README.md).
+
+DEFAULT_BLOCKS = (256, 512, 512)  # (block_t, block_d, block_k): the largest blocks tried first
+_MIN_BLOCKS = (16, 128, 128)  # below these, tiles stop matching the TPU's (16, 128) bf16 / (8, 128) f32 layout
+
+
+def forward_vmem_bytes(bt: int, bd: int, bk: int, r: int, x_bytes: int, k_bytes: int, a_bytes: int) -> int:
+    """VMEM of `fused_forward` with blocks (bt, bd, bk): X, K, A, y and P blocks twice, y and P accumulators."""
+    return 2 * (bt * bk * x_bytes + bk * bd * k_bytes + r * bk * a_bytes + (bt * bd + bt * r) * x_bytes) \
+        + 4 * (bt * bd + bt * r)
+
+
+def backward_vmem_bytes(bt: int, bd: int, bk: int, d: int, r: int, h_bytes: int, p_bytes: int,
+                        k_bytes: int) -> int:
+    """VMEM of `fused_backward`: H, P, K and dX blocks twice, the resident float32 S [d_pad, r], the dX scratch."""
+    d_pad = num_blocks(d, bd) * bd
+    return 2 * (bt * bd * h_bytes + bt * r * p_bytes + bk * bd * k_bytes + bt * bk * h_bytes) + d_pad * r * 4 \
+        + 4 * bt * bk
+
+
+def choose_blocks(vmem: Callable[[int, int, int], int], shape: tuple[int, int, int],
+                  budget: int) -> tuple[int, int, int] | None:
+    """The largest (block_t, block_d, block_k) whose footprint `vmem(bt, bd, bk)` fits `budget` bytes, or None.
+
+    Starts from `DEFAULT_BLOCKS` (each clipped to its axis of `shape` = (T, d, k)) and halves block_k, then
+    block_d, then block_t, down to (16, 128, 128); None when even those do not fit (e.g. S alone is larger).
+
+    Example:
+      >>> vmem = lambda bt, bd, bk: bt * bd * bk
+      >>> choose_blocks(vmem, (4096, 4096, 4096), 256 * 256 * 256)
+      (256, 256, 256)
+    """
+    blocks = [fit_block(size, block) for size, block in zip(shape, DEFAULT_BLOCKS)]
+    while vmem(*blocks) > budget:
+        for axis in (2, 1, 0):
+            if blocks[axis] // 2 >= _MIN_BLOCKS[axis]:
+                blocks[axis] //= 2
+                break
+        else:
+            return None
+    return blocks[0], blocks[1], blocks[2]
+
+
+_UNLISTED_TPU_VMEM = 64 << 20  # planned for on a TPU missing from backend.TPU_VMEM_BYTES: the least of v5e/v5p/v6e
+
+
+def vmem_budget(target: KernelTarget) -> int:
+    """Bytes of VMEM the kernels plan for on `target`: 7/8 of the chip's, the rest left to Mosaic's own scratch."""
+    return (target.vmem_bytes or _UNLISTED_TPU_VMEM) * 7 // 8
+
+
+def _blocks_or_chosen(given: tuple[int | None, int | None, int | None], vmem: Callable[[int, int, int], int],
+                      shape: tuple[int, int, int], target: KernelTarget) -> tuple[int, int, int] | None:
+    """Blocks the caller gave (clipped to the axes), or those `choose_blocks` picks for the target's VMEM."""
+    if all(block is None for block in given):
+        return choose_blocks(vmem, shape, vmem_budget(target))
+    return tuple(fit_block(size, block_or(block, default))  # type: ignore[return-value]
+                 for size, block, default in zip(shape, given, DEFAULT_BLOCKS))
+
+
+def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: bool = False,
+                  block_t: int | None = None, block_d: int | None = None,
+                  block_k: int | None = None, target: KernelTarget | None = None) -> tuple[jax.Array, jax.Array]:
     """Pallas: (y, P) = (X K, X Aᵀ) in one sweep, X tiles read once for both products.
 
     Args:
@@ -179,10 +246,13 @@ def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: b
       a: A [r, k], cast to x's dtype block by block.
       interpret: run the kernel in the Pallas interpreter (required on CPU).
       block_t, block_d, block_k: block sizes along T, d and k (clipped to the array; TPU wants multiples of
-        (8 or 16, 128) for sublane/lane axes unless a block spans the whole axis).
+        (8 or 16, 128) for sublane/lane axes unless a block spans the whole axis). None (all three): chosen by
+        `choose_blocks` for the VMEM of the chip compiled for.
+      target: the chip compiled for (default `backend.current_target()`).
 
     Returns:
-      y [T, d] and P [T, r], both in x's dtype (float32 accumulation).
+      y [T, d] and P [T, r], both in x's dtype (float32 accumulation). If no blocks fit the chip's VMEM (none
+      of the shapes in experiments/kernels/aot), the XLA reference computes them instead.
 
     Example:
       >>> import jax.numpy as jnp
@@ -192,10 +262,19 @@ def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: b
     """
     _check_tpu_kernel("fused_forward", interpret)
     (t, k), (_, d), (r, _) = x.shape, kernel.shape, a.shape
-    bt, bd, bk = fit_block(t, block_t), fit_block(d, block_d), fit_block(k, block_k)
-    itemsize = _itemsize(x)
-    vmem = 2 * (bt * bk * itemsize + bk * bd * _itemsize(kernel) + r * bk * _itemsize(a)
-                + (bt * bd + bt * r) * itemsize) + 4 * (bt * bd + bt * r)
+    target = current_target() if target is None else target
+    vmem = functools.partial(forward_vmem_bytes, r=r, x_bytes=_itemsize(x), k_bytes=_itemsize(kernel),
+                             a_bytes=_itemsize(a))
+    blocks = _blocks_or_chosen((block_t, block_d, block_k), vmem, (t, d, k), target)
+    if blocks is None:
+        return fused_forward_reference(x, kernel, a)
+    return _fused_forward(x, kernel, a, interpret=interpret, blocks=blocks, vmem_bytes=vmem(*blocks), target=target)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "blocks", "vmem_bytes", "target"))
+def _fused_forward(x, kernel, a, *, interpret, blocks, vmem_bytes, target):
+    (t, k), (_, d), (r, _) = x.shape, kernel.shape, a.shape
+    bt, bd, bk = blocks
     return pl.pallas_call(
         functools.partial(_forward_kernel, bk=bk, k=k),
         out_shape=(jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, r), x.dtype)),
@@ -210,29 +289,33 @@ def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: b
             pl.BlockSpec((bt, r), lambda ti, di, ki: (ti, 0)),
         ],
         scratch_shapes=[pltpu.VMEM((bt, bd), jnp.float32), pltpu.VMEM((bt, r), jnp.float32)],
-        compiler_params=compiler_params(("parallel", "arbitrary", "arbitrary"), vmem),
+        compiler_params=compiler_params(("parallel", "arbitrary", "arbitrary"), vmem_bytes, target),
         interpret=interpret,
         name="logra_fused_forward",
     )(x, kernel, a)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_t", "block_d", "block_k"))
-def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: bool = False, block_t: int = 256,
-                   block_d: int = 512, block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: bool = False,
+                   block_t: int | None = None, block_d: int | None = None,
+                   block_k: int | None = None, target: KernelTarget | None = None) -> tuple[jax.Array, jax.Array]:
     """Pallas: (dX, S) = (H Kᵀ, Hᵀ P) in one sweep, H tiles read once for both products.
 
     S [d, r] stays resident in VMEM (float32, d rounded up to a multiple of block_d) for the whole sweep, so the
-    kernel's grid runs in order; its VMEM footprint grows with d·r (≈ 19 MiB at d = 18944, r = 256).
+    kernel's grid runs in order; its VMEM footprint grows with d·r (18.5 MiB at d = 18944, r = 256: above the
+    16 MiB a TPU kernel gets by default, so a larger limit is requested, up to the chip's VMEM).
 
     Args:
       h: H = ∂L/∂y [T, d] (compute dtype).
       p: P = X Aᵀ [T, r] (the forward residual).
       kernel: K [k, d], cast to h's dtype block by block.
       interpret: run the kernel in the Pallas interpreter (required on CPU).
-      block_t, block_d, block_k: block sizes along T, d and k (clipped to the array).
+      block_t, block_d, block_k: block sizes along T, d and k (clipped to the array). None (all three): chosen
+        by `choose_blocks` for the VMEM of the chip compiled for.
+      target: the chip compiled for (default `backend.current_target()`).
 
     Returns:
-      dX [T, k] in h's dtype and S [d, r] float32.
+      dX [T, k] in h's dtype and S [d, r] float32. If S and the smallest blocks do not fit the chip's VMEM
+      (TPU v4's 16 MiB at d·r ≥ 4 Mi), the XLA reference computes them instead.
 
     Example:
       >>> import jax.numpy as jnp
@@ -242,11 +325,21 @@ def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: 
     """
     _check_tpu_kernel("fused_backward", interpret)
     (t, d), (_, r), (k, _) = h.shape, p.shape, kernel.shape
-    bt, bd, bk = fit_block(t, block_t), fit_block(d, block_d), fit_block(k, block_k)
+    target = current_target() if target is None else target
+    vmem = functools.partial(backward_vmem_bytes, d=d, r=r, h_bytes=_itemsize(h), p_bytes=_itemsize(p),
+                             k_bytes=_itemsize(kernel))
+    blocks = _blocks_or_chosen((block_t, block_d, block_k), vmem, (t, d, k), target)
+    if blocks is None:
+        return fused_backward_reference(h, p, kernel)
+    return _fused_backward(h, p, kernel, interpret=interpret, blocks=blocks, vmem_bytes=vmem(*blocks),
+                           target=target)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "blocks", "vmem_bytes", "target"))
+def _fused_backward(h, p, kernel, *, interpret, blocks, vmem_bytes, target):
+    (t, d), (_, r), (k, _) = h.shape, p.shape, kernel.shape
+    bt, bd, bk = blocks
     d_pad = num_blocks(d, bd) * bd
-    itemsize = _itemsize(h)
-    vmem = 2 * (bt * bd * itemsize + bt * r * _itemsize(p) + bk * bd * _itemsize(kernel) + bt * bk * itemsize
-                + d_pad * r * 4) + 4 * bt * bk
     dx, s = pl.pallas_call(
         functools.partial(_backward_kernel, bt=bt, bd=bd, t=t, d=d),
         out_shape=(jax.ShapeDtypeStruct((t, k), h.dtype), jax.ShapeDtypeStruct((d_pad, r), jnp.float32)),
@@ -261,7 +354,7 @@ def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: 
             pl.BlockSpec((d_pad, r), lambda ti, ki, di: (0, 0)),
         ],
         scratch_shapes=[pltpu.VMEM((bt, bk), jnp.float32)],
-        compiler_params=compiler_params(("arbitrary", "arbitrary", "arbitrary"), vmem),
+        compiler_params=compiler_params(("arbitrary", "arbitrary", "arbitrary"), vmem_bytes, target),
         interpret=interpret,
         name="logra_fused_backward",
     )(h, p, kernel)
@@ -277,20 +370,23 @@ class _PallasConfig:
     block_d: int | None
     block_k: int | None
     target: str  # "tpu" (also interpreted) or "gpu"
+    chip: KernelTarget  # the chip compiled for: the TPU kernels' blocks and VMEM limit follow it
 
     def forward(self, x, kernel, a):
         if self.target == "gpu":
             return gpu.fused_forward_gpu(x, kernel, a, interpret=self.interpret, **self._blocks(64))
-        return fused_forward(x, kernel, a, interpret=self.interpret, **self._blocks(None))
+        return fused_forward(x, kernel, a, interpret=self.interpret, target=self.chip, **self._blocks(None))
 
     def backward(self, h, p, kernel):
         if self.target == "gpu":
             return gpu.fused_backward_gpu(h, p, kernel, interpret=self.interpret, **self._blocks(64))
-        return fused_backward(h, p, kernel, interpret=self.interpret, **self._blocks(None))
+        return fused_backward(h, p, kernel, interpret=self.interpret, target=self.chip, **self._blocks(None))
 
     def _blocks(self, default: int | None) -> dict:
-        tpu = {"block_t": 256, "block_d": 512, "block_k": 512}
-        return {name: block_or(getattr(self, name), tpu[name] if default is None else default) for name in tpu}
+        """The given blocks; unset ones are `default` on GPU and left to the TPU kernels' choice (None)."""
+        names = ("block_t", "block_d", "block_k")
+        return {name: getattr(self, name) if default is None else block_or(getattr(self, name), default)
+                for name in names}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -326,8 +422,8 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
       probe: zeros [d, r] float32; its cotangent is the sketch S [d, r] summed over all leading axes of x.
       implementation: "xla" (einsums) or "pallas" (the fused kernels `fused_forward` / `fused_backward`).
       interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
-      block_t, block_d, block_k: Pallas only: block sizes along tokens, output and input features (None: 256,
-        512, 512 on TPU; 64 each on GPU, where they must be powers of 2 ≥ 16).
+      block_t, block_d, block_k: Pallas only: block sizes along tokens, output and input features (None: on
+        TPU chosen for the chip's VMEM, at most 256, 512, 512; 64 each on GPU, where they must be powers of 2 ≥ 16).
 
     Returns:
       y [..., d] in x's dtype.
@@ -358,5 +454,5 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
     target = pallas_target("sketched_linear", interpret)
     blocks = {name: None if value is None else check_block(name, value, "sketched_linear")
               for name, value in (("block_t", block_t), ("block_d", block_d), ("block_k", block_k))}
-    config = _PallasConfig(bool(interpret), target=target, **blocks)
+    config = _PallasConfig(bool(interpret), target=target, chip=current_target(), **blocks)
     return _sketched_linear_pallas(x, kernel, a, probe, config)

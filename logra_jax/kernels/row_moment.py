@@ -26,10 +26,12 @@ from jax.experimental import pallas as pl
 
 from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
+    KernelTarget,
     block_or,
     check_block,
     check_implementation,
     compiler_params,
+    current_target,
     fit_block,
     num_blocks,
     pallas_target,
@@ -94,7 +96,7 @@ def _paper_row_scale(rho: jax.Array, rowsq: jax.Array, eps: jax.Array) -> jax.Ar
     return row_scale * ratio
 
 
-def _row_moment_pallas(s, v, count, *, b2, eps, variant, interpret, block_d):
+def _row_moment_pallas(s, v, count, *, b2, eps, variant, interpret, block_d, chip: KernelTarget):
     d, r = s.shape
     b2, eps = jnp.asarray(b2, jnp.float32), jnp.asarray(eps, jnp.float32)
     hyper = jnp.stack([b2, _bias_correction(count, b2), eps]).reshape(1, 3)
@@ -102,7 +104,7 @@ def _row_moment_pallas(s, v, count, *, b2, eps, variant, interpret, block_d):
     grid = (num_blocks(d, bd),)
     rows, vec = pl.BlockSpec((bd, r), lambda i: (i, 0)), pl.BlockSpec((bd, 1), lambda i: (i, 0))
     vec_shape = jax.ShapeDtypeStruct((d, 1), jnp.float32)
-    params = compiler_params(("parallel",), 4 * (2 * bd * r + 8 * bd))
+    params = compiler_params(("parallel",), 4 * (2 * bd * r + 8 * bd), chip)
     # Rows are independent and r is never split: an edge block's out-of-range rows are dropped on write-back.
     if variant == "nemo":
         out_shape, out_specs = (vec_shape, jax.ShapeDtypeStruct((d, r), jnp.float32)), (vec, rows)
@@ -147,14 +149,14 @@ def _row_moment_gpu(s, v, count, *, b2, eps, variant, interpret, block_d, **laun
     return v_new, gpu.row_scale_gpu(s, scale, interpret=interpret, block_d=block_d, **launch)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "implementation", "interpret", "block_d", "target"))
-def _row_moment(s, v, count, *, b2, eps, variant, implementation, interpret, block_d, target):
+@functools.partial(jax.jit, static_argnames=("variant", "implementation", "interpret", "block_d", "target", "chip"))
+def _row_moment(s, v, count, *, b2, eps, variant, implementation, interpret, block_d, target, chip):
     if implementation == "xla":
         return row_moment_reference(s, v, count, b2=b2, eps=eps, variant=variant)
     if target == "gpu":
         return _row_moment_gpu(s, v, count, b2=b2, eps=eps, variant=variant, interpret=interpret, block_d=block_d)
     return _row_moment_pallas(s, v, count, b2=b2, eps=eps, variant=variant, interpret=interpret,
-                              block_d=block_or(block_d, 512))
+                              block_d=block_or(block_d, 512), chip=chip)
 
 
 def row_moment(s: jax.Array, v: jax.Array, count: jax.Array | int, *, b2: float | jax.Array = 0.95,
@@ -201,4 +203,5 @@ def row_moment(s: jax.Array, v: jax.Array, count: jax.Array | int, *, b2: float 
     if s.ndim != 2 or v.shape != s.shape[:1]:
         raise ValueError(f"row_moment: expected s [d, r] and v [d]; got s {s.shape}, v {v.shape}")
     return _row_moment(s, v, count, b2=b2, eps=eps, variant=variant, implementation=implementation,
-                       interpret=bool(interpret), block_d=block_d, target=target)
+                       interpret=bool(interpret), block_d=block_d, target=target,
+                       chip=current_target() if implementation == "pallas" else None)

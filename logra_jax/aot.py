@@ -1,0 +1,271 @@
+"""Compile-only devices for named accelerator targets: the real TPU and NVIDIA compilers, without the hardware.
+
+A target names a chip and how many of it, e.g. `v5e:2x4` (8 TPU v5e chips), `h100:8` (8 H100s) or `cpu:8` (fake
+CPU devices). `devices(target)` returns compile-only `jax.Device`s for it: `jax.jit(f).lower(...)` with shardings
+over them runs that chip's compiler (libtpu's for TPUs; XLA:GPU, Triton and ptxas for NVIDIA GPUs) on this CPU
+host, and `compiled.memory_analysis()` / `cost_analysis()` report what it planned; nothing executes. Kernels
+traced for a mesh of these devices are chosen for them (`logra_jax.kernels.backend.compiling_for`, which
+`sharding.jit_train_step` enters for its mesh).
+
+Each compiler lives in its own virtualenv, beside the main one, so that the main one never probes for an
+accelerator:
+  make venv-tpu    # .venv-tpu: jax[tpu] (libtpu)   for v4 / v5e / v5p / v6e targets
+  make venv-cuda   # .venv-cuda: jax[cuda13]        for h100 / h200 / a100 targets
+Run under them with JAX_PLATFORMS=cpu, e.g.
+  JAX_PLATFORMS=cpu .venv-tpu/bin/python experiments/memory/run.py --target v5e:2x2
+
+`target_info(target)` needs no compiler: the chip's published HBM size, peak bf16 FLOP/s and HBM bandwidth (per
+device, with the sources cited in `_CHIPS`), the TPU VMEM the compiler allocates (measured) and the GPU shared
+memory per block. GPU targets are described to XLA by a `GpuTargetConfigProto` (text format) written from the
+vendors' published specifications (`gpu_target_config`).
+
+Example:
+  >>> info = target_info("v5e:2x4")
+  >>> info.platform, info.num_devices, info.hbm_bytes / 2**30
+  ('tpu', 8, 16.0)
+  >>> len(devices("cpu:1"))
+  1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import sys
+
+import jax
+import numpy as np
+
+from logra_jax import sharding as shd
+from logra_jax.kernels.backend import TPU_VMEM_BYTES
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chip:
+    """Per-device published figures of one accelerator (a TPU chip is one device unless `devices_per_chip`)."""
+
+    platform: str  # "tpu" | "gpu"
+    device_kind: str  # jax.Device.device_kind of its compile-only devices
+    hbm_bytes: int
+    peak_bf16_flops: float  # dense bf16 matmul FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    sources: tuple[str, ...]
+    devices_per_chip: int = 1  # TPU v4's compile-only topology has one device per TensorCore (2 per chip)
+    gpu: dict[str, float] | None = None  # the GpuDeviceInfoProto fields of a GPU (see `gpu_target_config`)
+
+
+_TPU_DOCS = "https://cloud.google.com/tpu/docs/{}"
+_CUDA_GUIDE = ("NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' (shared memory "
+               "per SM / per block opt-in, 64 K 32-bit registers per SM and per block, 1024 threads per block, "
+               "2048 per SM, warp 32)")
+# Shared memory per block without opting in is 48 KiB on every compute capability (same guide).
+_SMEM_DEFAULT = 48 * 1024
+
+_CHIPS: dict[str, _Chip] = {
+    # Google Cloud TPU system-architecture pages, per chip: peak bf16 compute, HBM capacity and bandwidth.
+    "v4": _Chip("tpu", "TPU v4", 32 * GIB, 275e12, 1200e9, (_TPU_DOCS.format("v4"),), devices_per_chip=2),
+    "v5e": _Chip("tpu", "TPU v5 lite", 16 * GIB, 197e12, 819e9, (_TPU_DOCS.format("v5e"),)),
+    "v5p": _Chip("tpu", "TPU v5", 95 * GIB, 459e12, 2765e9, (_TPU_DOCS.format("v5p"),)),
+    "v6e": _Chip("tpu", "TPU v6 lite", 32 * GIB, 918e12, 1640e9, (_TPU_DOCS.format("v6e"),)),
+    # NVIDIA datasheets (SXM parts): bf16 tensor-core peak without sparsity (half the "with sparsity" figure),
+    # memory size and bandwidth, SM count and boost clock; architecture whitepapers for FP32 cores per SM and
+    # L2 size; the CUDA guide for per-SM and per-block limits. Memory sizes are the nominal "80 GB" / "141 GB"
+    # read as GiB; a process gets a little less (the driver's and CUDA context's share).
+    "h100": _Chip("gpu", "NVIDIA H100 80GB HBM3", 80 * GIB, 989.4e12, 3.35e12, (
+        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 1,979 TFLOPS bf16 with sparsity, 80 GB, 3.35 TB/s, "
+        "132 SMs)", "NVIDIA H100 Tensor Core GPU Architecture whitepaper (128 FP32 cores per SM, 50 MB L2, "
+        "1.98 GHz max boost)", _CUDA_GUIDE + ": compute capability 9.0, 228 KiB per SM, 227 KiB per block"),
+        gpu={"major": 9, "minor": 0, "core_count": 132, "fpus_per_core": 128, "clock_rate_ghz": 1.98,
+             "shared_memory_per_core": 228 * 1024, "shared_memory_per_block_optin": 227 * 1024,
+             "l2_cache_size": 50 * 2**20}),
+    "h200": _Chip("gpu", "NVIDIA H200", 141 * GIB, 989.4e12, 4.8e12, (
+        "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: 1,979 TFLOPS bf16 with sparsity, 141 GB HBM3e, "
+        "4.8 TB/s)", "the H100's Hopper die (GH100: 132 SMs, 50 MB L2, 1.98 GHz), per the H100 whitepaper",
+        _CUDA_GUIDE + ": compute capability 9.0, 228 KiB per SM, 227 KiB per block"),
+        gpu={"major": 9, "minor": 0, "core_count": 132, "fpus_per_core": 128, "clock_rate_ghz": 1.98,
+             "shared_memory_per_core": 228 * 1024, "shared_memory_per_block_optin": 227 * 1024,
+             "l2_cache_size": 50 * 2**20}),
+    "a100": _Chip("gpu", "NVIDIA A100-SXM4-80GB", 80 * GIB, 312e12, 2039e9, (
+        "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: 312 TFLOPS bf16 dense, 80 GB HBM2e, 2,039 GB/s)",
+        "NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs, 64 FP32 cores per SM, 40 MB L2, "
+        "1.41 GHz boost)", _CUDA_GUIDE + ": compute capability 8.0, 164 KiB per SM, 163 KiB per block"),
+        gpu={"major": 8, "minor": 0, "core_count": 108, "fpus_per_core": 64, "clock_rate_ghz": 1.41,
+             "shared_memory_per_core": 164 * 1024, "shared_memory_per_block_optin": 163 * 1024,
+             "l2_cache_size": 40 * 2**20}),
+}
+
+TARGETS: tuple[str, ...] = ("v4:2x2x1", "v5e:2x4", "v5p:2x2x1", "v6e:2x4", "h100:8", "h200:8", "a100:8", "cpu:8")
+# Cloud TPU accelerator-type names (v4 and v5p count TensorCores, two per chip; v5e and v6e count chips).
+_ACCELERATOR_TYPE = {"v4": "v4-{cores}", "v5e": "v5litepod-{chips}", "v5p": "v5p-{cores}", "v6e": "v6e-{chips}"}
+_VENVS = {"tpu": ("libtpu", "make venv-tpu", ".venv-tpu"), "gpu": ("jax_cuda13_plugin", "make venv-cuda", ".venv-cuda")}
+# The CUDA runtime and cuDNN of the jax[cuda13] wheels the target config describes (13.x; cuDNN 9 from its pins).
+_CUDA_RUNTIME, _CUDNN = (13, 0, 0), (9, 0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetInfo:
+    """A named target: how many devices of which chip, and the chip's published per-device figures.
+
+    hbm_bytes, peak_bf16_flops (dense FLOP/s) and hbm_bandwidth (bytes/s) are per device (None for CPU);
+    vmem_bytes is the VMEM a TPU kernel may use (measured with the compiler: kernels.backend.TPU_VMEM_BYTES);
+    shared_memory_per_block the GPU's opt-in limit per thread block (default 48 KiB without opting in).
+    """
+
+    target: str
+    chip: str
+    platform: str
+    topology: str
+    num_devices: int
+    device_kind: str
+    hbm_bytes: int | None
+    peak_bf16_flops: float | None
+    hbm_bandwidth: float | None
+    vmem_bytes: int | None
+    shared_memory_per_block: int | None
+    venv: str | None  # the virtualenv whose compiler this target needs (None: any)
+    sources: tuple[str, ...]
+
+
+def _split(target: str) -> tuple[str, str]:
+    chip, sep, topology = str(target).partition(":")
+    if not sep or not topology or (chip not in _CHIPS and chip != "cpu"):
+        raise ValueError(f"target must be '<chip>:<topology>' with chip one of {[*_CHIPS, 'cpu']} (e.g. "
+                         f"{', '.join(TARGETS)}), got {target!r}")
+    return chip, topology
+
+
+def _count(target: str, topology: str, sep: str) -> int:
+    try:
+        sizes = [int(n) for n in topology.split(sep)]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"target {target!r}: topology {topology!r} must be positive integers joined by {sep!r}")
+    return math.prod(sizes)
+
+
+def target_info(target: str) -> TargetInfo:
+    """The chip, device count and published per-device figures of `target` (no compiler needed).
+
+    Raises:
+      ValueError: an unknown chip or a malformed topology (`v5e:2x4`, `h100:8`, `cpu:8`).
+    """
+    chip, topology = _split(target)
+    if chip == "cpu":
+        n = _count(target, topology, "x")
+        return TargetInfo(target, chip, "cpu", topology, n, "cpu", None, None, None, None, None, None, ())
+    spec = _CHIPS[chip]
+    if spec.platform == "tpu":
+        n = _count(target, topology, "x") * spec.devices_per_chip
+        return TargetInfo(target, chip, "tpu", topology, n, spec.device_kind, spec.hbm_bytes // spec.devices_per_chip,
+                          spec.peak_bf16_flops / spec.devices_per_chip, spec.hbm_bandwidth / spec.devices_per_chip,
+                          TPU_VMEM_BYTES[spec.device_kind], None, _VENVS["tpu"][2], spec.sources)
+    n = _count(target, topology, "x")
+    return TargetInfo(target, chip, "gpu", topology, n, spec.device_kind, spec.hbm_bytes, spec.peak_bf16_flops,
+                      spec.hbm_bandwidth, None, int(spec.gpu["shared_memory_per_block_optin"]), _VENVS["gpu"][2],
+                      spec.sources)
+
+
+def gpu_target_config(chip: str) -> str:
+    """The `GpuTargetConfigProto` (text format) describing one `chip` ("h100", "h200", "a100") to XLA:GPU.
+
+    Every number comes from `_CHIPS[chip]` (vendors' published specifications, cited there): compute capability,
+    SMs, FP32 cores per SM, boost clock, shared memory per SM and per block (48 KiB default, the opt-in maximum),
+    64 K registers per SM and per block, HBM size and bandwidth, L2; CUDA 13 runtime and cuDNN 9 as in jax[cuda13].
+    """
+    spec = _CHIPS.get(chip)
+    if spec is None or spec.gpu is None:
+        raise ValueError(f"gpu_target_config: chip must be one of {[c for c, s in _CHIPS.items() if s.gpu]}, "
+                         f"got {chip!r}")
+    g = spec.gpu
+    return f"""gpu_device_info {{
+  cuda_compute_capability {{ major: {g['major']} minor: {g['minor']} }}
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: {_SMEM_DEFAULT}
+  shared_memory_per_block_optin: {g['shared_memory_per_block_optin']}
+  shared_memory_per_core: {g['shared_memory_per_core']}
+  threads_per_core_limit: 2048
+  core_count: {g['core_count']}
+  fpus_per_core: {g['fpus_per_core']}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(spec.hbm_bandwidth)}
+  l2_cache_size: {g['l2_cache_size']}
+  clock_rate_ghz: {g['clock_rate_ghz']}
+  device_memory_size: {spec.hbm_bytes}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: {_CUDNN[0]} minor: {_CUDNN[1]} patch: {_CUDNN[2]} }}
+runtime_version {{ major: {_CUDA_RUNTIME[0]} minor: {_CUDA_RUNTIME[1]} patch: {_CUDA_RUNTIME[2]} }}
+device_description_str: "{spec.device_kind}"
+"""
+
+
+def compiler_available(target: str) -> bool:
+    """Whether this Python has the compiler `target` needs (libtpu for TPUs, the CUDA 13 plugin for GPUs)."""
+    platform = target_info(target).platform
+    return platform == "cpu" or importlib.util.find_spec(_VENVS[platform][0]) is not None
+
+
+def devices(target: str) -> list[jax.Device]:
+    """Compile-only devices of `target` (`v5e:2x4`, `h100:8`, ...), or the first N CPU devices for `cpu:N`.
+
+    TPU and GPU devices come from `jax.experimental.topologies.get_topology_desc`; they can be lowered and
+    compiled for, never run on. For `cpu:N` start JAX with XLA_FLAGS=--xla_force_host_platform_device_count=N.
+
+    Raises:
+      ValueError: a malformed target, or fewer than N CPU devices.
+      RuntimeError: the target's compiler is not installed in this Python, naming the make command for it.
+    """
+    info = target_info(target)
+    if info.platform == "cpu":
+        cpus = jax.devices("cpu")
+        if len(cpus) < info.num_devices:
+            raise ValueError(f"target {target!r} needs {info.num_devices} CPU devices, JAX has {len(cpus)}: set "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count={info.num_devices} before JAX starts")
+        return cpus[:info.num_devices]
+    module, command, venv = _VENVS[info.platform]
+    if not compiler_available(target):
+        raise RuntimeError(f"target {target!r} needs the {info.platform.upper()} compiler ({module}), which this "
+                           f"Python ({sys.prefix}) lacks: create it with `{command}` and run under {venv}/bin/python "
+                           "with JAX_PLATFORMS=cpu")
+    from jax.experimental import topologies
+
+    if info.platform == "tpu":
+        # Without these libtpu probes for the TPU VM's metadata and workers (and logs an error); nothing runs here.
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", _ACCELERATOR_TYPE[info.chip].format(
+            cores=info.num_devices * 2 // _CHIPS[info.chip].devices_per_chip, chips=info.num_devices))
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        found = topologies.get_topology_desc(topology_name=target, platform="tpu").devices
+    else:
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver or GPU to check here
+        found = topologies.get_topology_desc(info.chip, platform="cuda", target_config=gpu_target_config(info.chip),
+                                             topology=f"1x1x{info.num_devices}").devices
+    if len(found) != info.num_devices or found[0].device_kind != info.device_kind:
+        raise RuntimeError(f"target {target!r}: the compiler gave {len(found)} × {found[0].device_kind!r}, expected "
+                           f"{info.num_devices} × {info.device_kind!r}")
+    return list(found)
+
+
+def mesh(target: str, config: shd.MeshConfig | None = None) -> jax.sharding.Mesh:
+    """The (data, fsdp, tensor) mesh of `config` (default: FSDP over all) over `devices(target)`.
+
+    `sharding.make_mesh` orders the devices by the physical topology; for TPU v4, whose compile-only devices are
+    single TensorCores (JAX's topology-aware ordering wants one device per chip), they are laid out in order.
+    """
+    config = config or shd.MeshConfig()
+    found = devices(target)
+    if target_info(target).platform == "tpu" and _CHIPS[target_info(target).chip].devices_per_chip > 1:
+        sizes = config.axis_sizes(len(found))
+        return jax.sharding.Mesh(np.asarray(found, dtype=object).reshape(sizes), shd.MESH_AXES,
+                                 axis_types=(jax.sharding.AxisType.Auto,) * len(shd.MESH_AXES))
+    return shd.make_mesh(config, found)
+
