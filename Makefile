@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
+DOCS_STAMP := $(VENV)/.installed-docs
 WORKDIR ?= runs/demo
 
 # Compile-only environments (`make venv-tpu`, `make venv-cuda`): the real TPU and NVIDIA compilers, run
@@ -16,7 +17,7 @@ JAX_PIN := $(shell sed -n 's/^jax==//p' requirements.txt)
 JAX_EXTRA_tpu := tpu
 JAX_EXTRA_cuda := cuda13
 
-.PHONY: demo test lint clean venv-tpu venv-cuda
+.PHONY: demo test lint docs clean venv-tpu venv-cuda
 
 $(RUN_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +39,16 @@ lint: $(DEV_STAMP)
 test: $(DEV_STAMP) lint
 	$(PY) -m pytest -q -n 2 --durations=15 tests
 
+$(DOCS_STAMP): $(DEV_STAMP) requirements-docs.txt
+	$(PIP) -r requirements-docs.txt
+	touch $@
+
+# The documentation site (Sphinx + MyST, from the repository's Markdown and the code's docstrings) into
+# docs/_build/html: offline, warnings are errors; the generated pages are rebuilt from the code every time.
+docs: $(DOCS_STAMP)
+	rm -rf docs/_build docs/_generated
+	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+
 venv-tpu venv-cuda: venv-%: .venv-%/.installed
 .PRECIOUS: .venv-%/.installed
 
@@ -49,4 +60,4 @@ venv-tpu venv-cuda: venv-%: .venv-%/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache docs/_build docs/_generated
