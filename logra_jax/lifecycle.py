@@ -43,6 +43,8 @@ RESUME_FIXED = (
     "optimizer.base_seed",        # the projections A the factors were taken in
     "optimizer.distribution",
     "optimizer.refresh",
+    "optimizer.refresh_every",
+    "optimizer.momentum",         # the sketch-space first moment's state (none at 0)
     "optimizer.variant",          # which moments RowAdam keeps
     "optimizer.sketch_native",
     "optimizer.kl_control",       # the controller's state

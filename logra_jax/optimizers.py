@@ -5,7 +5,7 @@
   adafactor  optax.adafactor on every parameter (factored second moments).
   galore  optax.contrib GaLore (Adam inside, rank r) on each layer of the stacked target kernels, AdamW elsewhere.
   logra   logra_jax.optim.logra on the targets (dense-gradient or sketch-native), non-targets frozen or AdamW,
-          optionally with predicted-KL step control.
+          optionally with a sketch-space momentum (optimizer.momentum, refresh_every) and predicted-KL step control.
   row_adam   LoGRA's RowAdam and update ratio on the targets' dense gradients, no sketch (the ablation that
              separates sketching from the row-wise preconditioner); non-targets frozen.
 """
@@ -111,6 +111,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
     # The one declaration of the sketch settings: logra and the model's sketch probes take this same object.
     spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
+                      refresh_every=cfg.refresh_every,
                       round_bf16=resolve_round_bf16(cfg.round_bf16, cfg.variant),
                       implementation=cfg.implementation, interpret=cfg.interpret)
     kl = None
@@ -118,7 +119,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
         kl = dict(kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,
                   schedule_steps=cfg.kl_schedule_steps, alpha_max=cfg.alpha_max,
                   subtract_mismatch=cfg.subtract_mismatch)
-    tx = logra(spec=spec, variant=cfg.variant, b2=cfg.b2, eps=cfg.eps,
+    tx = logra(spec=spec, variant=cfg.variant, b2=cfg.b2, eps=cfg.eps, momentum=cfg.momentum,
                update_ratio=cfg.update_ratio, ratio_scope=cfg.ratio_scope,
                lr=cfg.learning_rate if cfg.variant == "nemo" else None,
                weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,

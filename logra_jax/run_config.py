@@ -263,7 +263,9 @@ class OptimizerSection:
     Adafactor learning_rate; AdamW with targets_only trains exactly LoGRA's targets (the rest frozen);
     row_adam is LoGRA's RowAdam and update_ratio on the targets' dense gradients (no sketch; b2, eps);
     GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd) and ratio_scope ("global" as in the paper, or
-    "layer": each layer moves by update_ratio of its own norm), learning_rate (nemo), refresh,
+    "layer": each layer moves by update_ratio of its own norm), learning_rate (nemo), refresh and
+    refresh_every (new projections every κ steps; refresh=False holds those of step 0 for ever), momentum (β₁ of
+    the first moment kept in sketch coordinates and carried across projection changes; 0 = none, the paper's),
     distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
     nemo), sketch_native, non_targets ("frozen" | "adamw"), and the
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
@@ -282,6 +284,8 @@ class OptimizerSection:
     update_ratio: float = 6e-5
     ratio_scope: str = "global"
     refresh: bool = _SKETCH_SPEC.refresh
+    refresh_every: int = _SKETCH_SPEC.refresh_every
+    momentum: float = 0.0
     distribution: str = _SKETCH_SPEC.distribution
     base_seed: int = _SKETCH_SPEC.base_seed
     b2: float = 0.95
@@ -317,6 +321,16 @@ class OptimizerSection:
         _check_range("optimizer", "update_ratio", self.update_ratio, 0.0, lo_open=True)
         _check_range("optimizer", "base_seed", self.base_seed, 0)
         _check_range("optimizer", "b2", self.b2, 0.0, 1.0, lo_open=True, hi_open=True)
+        _check_range("optimizer", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        if self.momentum and self.name != "logra":
+            _fail("optimizer.momentum", self.momentum, "the sketch-space momentum needs optimizer.name='logra' "
+                  "(AdamW's β₁ is optimizer.adam_b1)")
+        if isinstance(self.refresh_every, bool) or not isinstance(self.refresh_every, int):
+            _fail("optimizer.refresh_every", self.refresh_every, "must be an int (steps between projection draws)")
+        _check_range("optimizer", "refresh_every", self.refresh_every, 1)
+        if self.refresh_every != 1 and not self.refresh:
+            _fail("optimizer.refresh_every", self.refresh_every, "has no effect with optimizer.refresh=False "
+                  "(a fixed projection); leave it at 1")
         _check_range("optimizer", "eps", self.eps, 0.0, lo_open=True)
         _check_range("optimizer", "kl_budget", self.kl_budget, 0.0, lo_open=True)
         _check_range("optimizer", "kl_budget_final", self.kl_budget_final, 0.0, lo_open=True)

@@ -70,7 +70,7 @@ class LowRankHook:
     spec: SketchSpec
 
     def projection(self, step: jax.Array, digest: jax.Array, width: int) -> jax.Array:
-        step = step if self.spec.refresh else jnp.zeros((), jnp.int32)
+        step = self.spec.draw_step(step)
         key = key_from_digest(self.spec.base_seed, step, digest)
         return projection(key, self.spec.rank, width, self.spec.distribution)
 

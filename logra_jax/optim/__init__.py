@@ -4,6 +4,7 @@
   updates, state = tx.update(grads, state, params)
   params = apply_updates(params, updates)               # merges W ← W − U·A layer by layer
 
+  tx = logra(rank=256, momentum=0.9, refresh_every=16)  # + a first moment carried across projection changes
   tx = logra(rank=256, dense_updates=True)              # drop-in: dense ΔW = U·A formed inside the update,
   params = optax.apply_updates(params, updates)         # so optax.apply_updates / nnx.Optimizer work unchanged
 
@@ -27,6 +28,7 @@ from logra_jax.optim.lowrank_scale import (
     densify_lowrank,
     scale_lowrank,
 )
+from logra_jax.optim.momentum import SubspaceMomentumState, scale_by_subspace_momentum
 from logra_jax.optim.predicted_kl import PredictedKLState, kl_budget_schedule, scale_by_predicted_kl
 from logra_jax.optim.projection import DISTRIBUTIONS, projection, slice_projections, target_projection
 from logra_jax.optim.row_adam import VARIANTS, RowAdamState, row_adam_direction, scale_by_row_adam
@@ -60,6 +62,7 @@ __all__ = [
     "RowAdamState",
     "SketchSpec",
     "SketchState",
+    "SubspaceMomentumState",
     "Target",
     "TargetRule",
     "add_decayed_weights_lowrank",
@@ -81,6 +84,7 @@ __all__ = [
     "scale_by_predicted_kl",
     "scale_by_row_adam",
     "scale_by_sketch",
+    "scale_by_subspace_momentum",
     "scale_by_update_ratio",
     "scale_lowrank",
     "sketch_spec",

@@ -1,6 +1,7 @@
 """logra(...): the LoGRA optimizer as one optax GradientTransformation (docs/method.md §1–§4).
 
-  targets:      named_chain(("sketch", scale_by_sketch), ("row_adam", scale_by_row_adam), <step size>,
+  targets:      named_chain(("sketch", scale_by_sketch), ("row_adam", scale_by_row_adam),
+                            [("momentum", scale_by_subspace_momentum)], <step size>,
                             [("predicted_kl", scale_by_predicted_kl)], <negation>)
                   paper / sgd: ("update_ratio", scale_by_update_ratio(update_ratio)), ("negation", scale_lowrank(−1))
                   nemo:        ("weight_decay", add_decayed_weights_lowrank(weight_decay)),
@@ -51,6 +52,7 @@ from logra_jax.optim.lowrank_scale import (
     densify_lowrank,
     scale_lowrank,
 )
+from logra_jax.optim.momentum import scale_by_subspace_momentum
 from logra_jax.optim.predicted_kl import scale_by_predicted_kl
 from logra_jax.optim.projection import Distribution
 from logra_jax.optim.row_adam import Variant, scale_by_row_adam
@@ -184,7 +186,7 @@ def target_labels(tree: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES)
 
 
 def logra(rank: int | None = None, *, base_seed: int | None = None, distribution: Distribution | None = None,
-          refresh: bool | None = None,
+          refresh: bool | None = None, refresh_every: int | None = None, momentum: float = 0.0,
           variant: Variant = "paper", b2: float = 0.95, eps: float = 1e-8, update_ratio: float = 6e-5,
           ratio_scope: str = "global",
           lr: float | optax.Schedule | None = None, weight_decay: float = 0.0,
@@ -196,7 +198,9 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
           dense_updates: bool = False, spec: SketchSpec | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
-    Per target layer l (docs/method.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l);
+    Per target layer l (docs/method.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l); with momentum β₁ > 0,
+    D_l ← M_l/(1 − β₁^τ), M_l ← β₁·transfer(M_l) + (1 − β₁)·D_l (`scale_by_subspace_momentum`: the first moment in
+    sketch coordinates, carried into the new projection whenever it changes, every refresh_every steps);
       paper/sgd: W_l ← W_l − bf16(factor · D_l) A_l, factor = update_ratio · sqrt(Σ‖W‖² / Σ‖D A‖²)
       nemo:      W_l ← (1 − lr·wd) W_l − lr · D_l A_l
     bf16(·): the factor rounded at merge time when round_bf16, by default for paper/sgd (their wire format) and
@@ -215,17 +219,21 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
     static_args=("rank", "base_seed"))(rank=16, update_ratio=1e-3)`; update_ratio (and b2, eps, lr,
     weight_decay) then live in `state.hyperparams` and may change between steps without recompiling.
 
-    The sketch settings (rank, base_seed, distribution, refresh, rules, round_bf16, implementation, interpret)
-    become one SketchSpec, carried by every LowRankUpdate and (static) by the state, where the train step reads
-    it (`logra_jax.optim.sketch_spec`); each left None takes SketchSpec's default (declared there only), except
-    round_bf16 (the variant's convention). A SketchSpec built once may be given instead (`spec=`, e.g. the one
-    the sketch-native probes were attached with), with those arguments left None.
+    The sketch settings (rank, base_seed, distribution, refresh, refresh_every, rules, round_bf16, implementation,
+    interpret) become one SketchSpec, carried by every LowRankUpdate and (static) by the state, where the train
+    step reads it (`logra_jax.optim.sketch_spec`); each left None takes SketchSpec's default (declared there
+    only), except round_bf16 (the variant's convention). A SketchSpec built once may be given instead (`spec=`,
+    e.g. the one the sketch-native probes were attached with), with those arguments left None.
 
     Args:
       rank: sketch rank r (static; default 256, the paper's).
       base_seed: projection base seed (static; default 42).
       distribution: "rademacher" (default) or "gaussian".
-      refresh: fresh projections every step (True, default) or those of step 0 (False).
+      refresh: fresh projections (True, default) or those of step 0 for ever (False: fixed, κ = ∞).
+      refresh_every: with refresh, draw new projections every κ steps (static; default 1, the paper's).
+      momentum: β₁ of the first moment in sketch coordinates (`scale_by_subspace_momentum`); 0 (default): none,
+        RowAdam as in the paper (a Python 0 adds no stage; an array, e.g. from optax.inject_hyperparams, does).
+        Its state is one float32 [*batch, *rows, r] array per target.
       variant: "paper", "nemo" or "sgd" (see scale_by_row_adam).
       b2: RowAdam β₂.
       eps: RowAdam ε (relative for paper, absolute for nemo).
@@ -278,8 +286,11 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
     """
     if not isinstance(dense_updates, (bool, np.bool_)):
         raise TypeError(f"logra: dense_updates must be a bool, got {dense_updates!r}")
+    if isinstance(momentum, (int, float)) and not 0 <= momentum < 1:
+        raise ValueError(f"logra: momentum must be in [0, 1) (0 = none), got {momentum!r}")
     spec = build_spec("scale_by_sketch", spec, rank=rank, base_seed=base_seed, distribution=distribution,
-                      refresh=refresh, rules=rules, implementation=implementation, interpret=interpret,
+                      refresh=refresh, refresh_every=refresh_every, rules=rules, implementation=implementation,
+                      interpret=interpret,
                       round_bf16=resolve_round_bf16(round_bf16, variant) if spec is None else round_bf16)
     if variant == "nemo":
         if lr is None:
@@ -300,6 +311,8 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
         ("sketch", scale_by_sketch(spec=spec)),
         ("row_adam", scale_by_row_adam(variant, b2, eps, spec.rules, implementation=spec.implementation,
                                        interpret=spec.interpret)),
+        *([] if isinstance(momentum, (int, float)) and momentum == 0 else
+          [("momentum", scale_by_subspace_momentum(momentum, spec.rank, spec.rules))]),
         *step_size,
         negation,
     )

@@ -66,7 +66,7 @@ class LowRankUpdate:
 
     Children (traced): factor (*batch_shape, *rows_shape, r) float32; step int32 scalar (completed updates when
     the sketch was taken); decay: None or a float32 scalar c. Static: `meta` (LowRankMeta: the target and the
-    SketchSpec). The projection of batch slice i is drawn for step `step if spec.refresh else 0` and path
+    SketchSpec). The projection of batch slice i is drawn for step `spec.draw_step(step)` and path
     "target.path.i" (just the path when the target has no batch axes).
 
     Generic optax transforms treat every leaf as a float (they would rescale `step`, or fail on it) and never see
@@ -179,10 +179,10 @@ class LowRankUpdate:
                         f"the sketch: {MISUSE_ADVICE}")
 
     def _draw(self) -> tuple[_Draw, jax.Array, np.ndarray]:
-        """Static projection settings, the step the projections are drawn for (0 without refresh), digests."""
+        """Static projection settings, the step the projections are drawn for (`SketchSpec.draw_step`), digests."""
         self.check_step()
         spec, t = self.spec, self.meta.target
-        step = self.step if spec.refresh else jnp.zeros((), jnp.int32)
+        step = spec.draw_step(self.step)
         return (t.geometry, spec.base_seed, spec.rank, spec.distribution), step, digest_words(t.slice_paths)
 
     def wire_factor(self) -> jax.Array:

@@ -69,7 +69,8 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
     """Replace each target's dense gradient by its sketch, as a `LowRankUpdate` with factor S.
 
     Per batch slice l of a target (one layer), with t = number of completed updates (the state count):
-      A_l = projection(seed(base_seed, t if refresh else 0, "path.l"), rank, k)        [r, k]
+      A_l = projection(seed(base_seed, spec.draw_step(t), "path.l"), rank, k)   [r, k]
+    (draw_step(t) = κ·⌊t/κ⌋ with refresh, period κ = refresh_every; 0 without)
       S_l = G_l A_lᵀ                                                                  [d, r], float32
     Non-target leaves pass through unchanged. Leaves that already are a LowRankUpdate (sketch-native mode, where
     the backward pass produces S directly) pass through too, after checking that their spec's projection
@@ -82,7 +83,7 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
       rank: r, a positive Python int (static).
       base_seed: base of every projection seed (static).
       distribution: "rademacher" (±1/√r) or "gaussian" (N(0, 1/r)).
-      refresh: draw fresh projections every step (True) or keep those of step 0 (False).
+      refresh: draw fresh projections (True, every `spec.refresh_every` steps) or keep those of step 0 (False).
       rules: TargetRule sequence selecting targets and their matrix axes.
       round_bf16: set on the produced updates: `apply_updates` rounds the final factor to bf16 before merging.
       implementation: how `apply_updates` merges the produced updates: "xla" (einsum) or "pallas"
@@ -119,7 +120,7 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
                   ) -> tuple[Any, SketchState]:
         del params, extra_args
         step = state.count
-        draw_step = step if spec.refresh else jnp.zeros((), jnp.int32)
+        draw_step = spec.draw_step(step)
         matched = []
 
         def one(keypath: Any, g: Any) -> Any:

@@ -1,7 +1,7 @@
 """SketchSpec: the one declaration of how LoGRA sketches and merges (docs/method.md §2–§3).
 
 Every setting that must agree between the places that draw a projection or merge a low-rank update lives here
-once: rank r, projection base seed and distribution, refresh every step, the target rules, bf16 rounding of the
+once: rank r, projection base seed and distribution, refresh (and its period), the target rules, bf16 rounding of the
 merged factor, and the kernel implementation ("xla" | "pallas", `interpret` for Pallas on CPU). Its owners:
   - `logra(...)` / `scale_by_sketch(...)` build it from their arguments (or take one: `spec=`);
   - every `LowRankUpdate` carries it (`update.meta.spec`), so a merge or a sync receiver regenerates exactly the
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from logra_jax.kernels.backend import Implementation, check_implementation, check_interpret
 from logra_jax.optim.projection import Distribution, check_nonneg_int, check_projection_args
@@ -33,9 +34,10 @@ from logra_jax.optim.targets import (
 )
 
 # The fields that select the projections A: two specs that agree on them draw the same A for a target and step.
-DRAW_FIELDS = ("rank", "base_seed", "distribution", "refresh")
+DRAW_FIELDS = ("rank", "base_seed", "distribution", "refresh", "refresh_every")
 # The fields a policy-sync payload carries per target (the rules stay on the trainer: the target is sent whole).
-WIRE_FIELDS = ("base_seed", "rank", "distribution", "refresh", "round_bf16", "implementation", "interpret")
+WIRE_FIELDS = ("base_seed", "rank", "distribution", "refresh", "refresh_every", "round_bf16", "implementation",
+               "interpret")
 
 
 @jax.tree_util.register_static
@@ -49,7 +51,9 @@ class SketchSpec:
       rank: sketch rank r, a positive Python int (the paper's 256 by default).
       base_seed: base of every projection seed (non-negative Python int).
       distribution: "rademacher" (±1/√r) or "gaussian" (N(0, 1/r)).
-      refresh: fresh projections every step (True) or those of step 0 (False).
+      refresh: fresh projections (True) or those of step 0 for ever (False: a fixed projection, κ = ∞).
+      refresh_every: with refresh, the period κ ≥ 1 of the draws: the projections of step t are those drawn for
+        step κ·⌊t/κ⌋ (`draw_step`); κ = 1 (default) is a fresh draw every step, the paper's.
       rules: the TargetRule sequence choosing the targets and their matrix axes (stored as a tuple).
       round_bf16: the merged factor is rounded to bf16 (the paper's wire format) before U·A is added to W.
       implementation: "xla" (einsums) or "pallas" (fused kernels of logra_jax.kernels) for the sketch-native
@@ -65,6 +69,7 @@ class SketchSpec:
     base_seed: int = 42
     distribution: Distribution = "rademacher"
     refresh: bool = True
+    refresh_every: int = 1
     rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES
     round_bf16: bool = False
     implementation: Implementation = "xla"
@@ -75,12 +80,29 @@ class SketchSpec:
             check_projection_args(self.rank, self.distribution)
         except (TypeError, ValueError) as e:
             raise type(e)(f"SketchSpec.{e}") from e
+        every = check_nonneg_int("SketchSpec.refresh_every", self.refresh_every)
+        if every < 1:
+            raise ValueError(f"SketchSpec.refresh_every must be >= 1 (refresh=False holds the projection for ever), "
+                             f"got {self.refresh_every!r}")
         normal = dict(rank=int(self.rank), base_seed=check_nonneg_int("SketchSpec.base_seed", self.base_seed),
-                      refresh=bool(self.refresh), round_bf16=bool(self.round_bf16), rules=check_rules(self.rules),
+                      refresh=bool(self.refresh), refresh_every=every, round_bf16=bool(self.round_bf16),
+                      rules=check_rules(self.rules),
                       implementation=check_implementation(self.implementation, "SketchSpec.implementation"),
                       interpret=check_interpret(self.interpret, "SketchSpec"))
         for name, value in normal.items():  # frozen: normalised in place (numpy ints → int, a rule list → tuple)
             object.__setattr__(self, name, value)
+
+    def draw_step(self, step: jax.Array | int) -> jax.Array:
+        """The step whose projections step `step` uses (int32, traceable): κ·⌊step/κ⌋ with refresh, else 0.
+
+        Example:
+          >>> [int(SketchSpec(refresh_every=3).draw_step(t)) for t in range(7)]
+          [0, 0, 0, 3, 3, 3, 6]
+        """
+        step = jnp.asarray(step, jnp.int32)
+        if not self.refresh:
+            return jnp.zeros_like(step)
+        return step if self.refresh_every == 1 else step - step % self.refresh_every
 
     def draws_like(self, other: SketchSpec) -> bool:
         """Whether `other` draws the same projections (DRAW_FIELDS equal), however either rounds or merges."""

@@ -25,6 +25,7 @@ from logra_jax.optim import (
     scale_by_update_ratio,
     scale_lowrank,
 )
+from logra_jax.optim.momentum import scale_by_subspace_momentum
 from logra_jax.optim.predicted_kl import scale_by_predicted_kl
 
 RANK = 4
@@ -45,6 +46,8 @@ CASES = {
     "row_adam_nemo": Case(scale_by_row_adam, dict(variant="nemo", b2=0.9, eps=1e-3)),
     "row_adam_sgd": Case(scale_by_row_adam, dict(variant="sgd")),
     "update_ratio": Case(scale_by_update_ratio, dict(ratio=1e-2)),
+    # two updates with a fresh projection each: the second one transfers the first moment
+    "subspace_momentum": Case(scale_by_subspace_momentum, dict(b1=0.9, rank=RANK), ("rank",)),
     "scale_lowrank": Case(scale_lowrank, dict(step_size=-0.5)),
     "decayed_weights": Case(add_decayed_weights_lowrank, dict(weight_decay=0.1)),
     "logra_paper": Case(logra, dict(rank=RANK, update_ratio=1e-2), ("rank", "base_seed"), after_sketch=False),

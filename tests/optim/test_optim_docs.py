@@ -5,8 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["alias", "lowrank", "lowrank_scale", "predicted_kl", "projection", "row_adam", "sketch", "spec", "targets",
-           "update_ratio"]
+MODULES = ["alias", "lowrank", "lowrank_scale", "momentum", "predicted_kl", "projection", "row_adam", "sketch", "spec",
+           "targets", "update_ratio"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -44,7 +44,8 @@ def test_spec_validates_and_normalises():
     with pytest.raises(TypeError, match="rules"):
         SketchSpec(rank=4, rules=("q_proj",))
     assert SketchSpec(rank=4).wire_fields() == {"base_seed": 42, "rank": 4, "distribution": "rademacher",
-                                                "refresh": True, "round_bf16": False, "implementation": "xla",
+                                                "refresh": True, "refresh_every": 1, "round_bf16": False,
+                                                "implementation": "xla",
                                                 "interpret": False}
     custom = SketchSpec(rank=4, base_seed=9, round_bf16=True, rules=(TargetRule(r"x$"),))
     assert SketchSpec.from_wire(custom.wire_fields()) == dataclasses.replace(custom, rules=SketchSpec().rules)
