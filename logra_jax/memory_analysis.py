@@ -77,7 +77,8 @@ def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:
 
     adamw: every parameter; adamw_targets: exactly LoGRA's targets, the rest frozen (like for like); galore
     (optax.contrib); adafactor; LoGRA in dense-gradient mode, sketch-native, and sketch-native with the
-    predicted-KL controller (set its `probe_responses` for the mesh: the paper probes 2 sequences per device).
+    predicted-KL controller (set its `probe_responses` for the mesh: the paper probes 2 sequences per device), and
+    that with the sketch-space momentum (`optimizer.momentum`).
     """
     return {
         "adamw": OptimizerSection(name="adamw", learning_rate=1e-6),
@@ -87,6 +88,9 @@ def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:
         "logra_dense_grad": OptimizerSection(name="logra", rank=rank, sketch_native=False),
         "logra_sketch_native": OptimizerSection(name="logra", rank=rank, sketch_native=True),
         "logra_sketch_native_kl": OptimizerSection(name="logra", rank=rank, sketch_native=True, kl_control=True),
+        # the same with the sketch-space first moment (one fp32 [rows, r] array per target, issue 33)
+        "logra_sketch_native_kl_momentum": OptimizerSection(name="logra", rank=rank, sketch_native=True,
+                                                            kl_control=True, momentum=0.9, refresh_every=16),
     }
 
 

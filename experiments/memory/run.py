@@ -19,6 +19,8 @@ logra_jax.memory_analysis.rl_step_memory):
   logra_sketch_native   sketch-native LoGRA (no dense gradient of any target).
   logra_sketch_native_kl  the same with the predicted-KL controller, as the paper runs it: the step also holds 2
                         probe sequences per device and runs the forward-mode JVP and the realised-KL forward.
+  logra_sketch_native_kl_momentum  the same with the sketch-space first moment (optimizer.momentum 0.9; one
+                        float32 [rows, r] array per target, carried across projection changes).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ MODELS = {  # results key → preset
 }
 DEVICE_COUNTS = (4, 8)
 OPTIMIZERS = ("adamw", "adamw_targets", "galore", "adafactor", "logra_dense_grad", "logra_sketch_native",
-              "logra_sketch_native_kl")
+              "logra_sketch_native_kl", "logra_sketch_native_kl_momentum")
 PROBES_PER_DEVICE = 2  # the paper's KL probe: 2 single-response sequences per data-parallel rank
 SEQ_LEN = 4096
 PROMPT_LEN = 512
