@@ -177,6 +177,10 @@ class Attention(nnx.Module):
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B, T, D] → [B, T, D]. With a cache (k, v [B, S, Hkv, hd]) the new keys are written at
         `write_index` and attention runs over the whole cache; `key_valid` [B, S] marks real tokens."""
+        with jax.named_scope("attention"):  # names the buffers in compiled memory reports
+            return self._attend(x, positions, q_slots, key_valid, cache, write_index)
+
+    def _attend(self, x, positions, q_slots, key_valid, cache, write_index):
         c = self.config
         B, T, _ = x.shape
         G = c.num_heads // c.num_kv_heads
@@ -213,5 +217,6 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, axes=("mlp", "embed"), stack=stack, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
-        return self.down_proj(constrain(h, ("batch", "length", "act_mlp")))
+        with jax.named_scope("mlp"):  # names the buffers in compiled memory reports
+            h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+            return self.down_proj(constrain(h, ("batch", "length", "act_mlp")))

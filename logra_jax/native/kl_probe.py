@@ -131,6 +131,10 @@ def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, st
             return model.features(probe["tokens"], attention_mask=probe["attention_mask"])
 
     def kl_probe(updates: Any) -> tuple[jax.Array, jax.Array]:
+        with jax.named_scope("kl_probe"):  # names the probe's buffers in compiled memory reports
+            return predict(updates)
+
+    def predict(updates: Any) -> tuple[jax.Array, jax.Array]:
         factors = lowrank_factors(updates)
         flat = dict(nnx.to_flat_state(probes))
         tangent = nnx.from_flat_state([
@@ -154,6 +158,11 @@ def realised_kl(graphdef: nnx.GraphDef, params: nnx.State, new_params: nnx.State
     hidden_before: the probe's final hidden states under `params` when already computed (`kl_probe.hidden_before`
     of `make_kl_probe`): then only the head of `params` is read, and the old weights need not outlive the merge.
     """
+    with jax.named_scope("realised_kl"):  # names the buffers in compiled memory reports
+        return _realised_kl(graphdef, params, new_params, rest, probe, temperature, chunk, hidden_before)
+
+
+def _realised_kl(graphdef, params, new_params, rest, probe, temperature, chunk, hidden_before):
     old = nnx.merge(graphdef, params, rest)
     h_old = hidden_before
     if h_old is None:
