@@ -1,6 +1,6 @@
 """scale_by_subspace_momentum: a first moment in sketch coordinates that survives projection changes.
 
-RowAdam (LOGRA.md §4) keeps no first moment. This stage, placed after it, keeps one per target: M [*batch, *rows, r]
+RowAdam (docs/method.md §4) has no first moment. This stage, placed after it, keeps one per target: M [*batch, *rows, r]
 float32, the size of one sketch, in the coordinates of the projection A_t the step is merged with. Per target
 batch slice (one layer), with D_t = RowAdam's direction, τ = this stage's updates + 1 and b = the draw step M is
 expressed in (`SketchSpec.draw_step`; κ = `refresh_every`):

@@ -53,7 +53,7 @@ def ref_projections(path, step):
 
 
 def ref_row_adam(s, v, t, b2=0.95, eps=1e-8):
-    """LOGRA.md §4, paper variant, one layer: s [d, r], v [d] → (D, v)."""
+    """docs/method.md §4, paper variant, one layer: s [d, r], v [d] → (D, v)."""
     v = b2 * v + (1 - b2) * np.mean(s ** 2, axis=1)
     rho = np.sqrt(v / (1 - b2 ** t))
     scale = 1.0 / (rho + eps * rho.mean())
