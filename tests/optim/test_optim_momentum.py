@@ -114,6 +114,28 @@ def test_logra_with_momentum_matches_numpy_over_five_steps(every):
     np.testing.assert_array_equal(params["norm"], np.ones(3, np.float32))  # non-targets frozen
 
 
+def test_predicted_kl_sizes_the_step_that_includes_the_momentum():
+    """The controller's probe sees the momentum's direction (after a transfer), and the merged factor is −α times
+    what it saw: the step the prediction is for is the step taken."""
+    params = {"q_proj": {"kernel": jnp.asarray(np.random.default_rng(5).normal(size=(16, 6)), jnp.float32)}}
+    tx = logra(rank=RANK, update_ratio=1e-2, ratio_scope="layer", momentum=0.9, kl_control={"kl_budget": 1e-4},
+               round_bf16=False)
+    state, seen = tx.init(params), []
+
+    def probe(updates):
+        seen.append(updates["q_proj"]["kernel"].factor)
+        return jnp.float32(4e-4), jnp.float32(1.0)
+
+    for t in range(2):  # κ = 1: step 1 transfers the first moment into the new projection
+        grads = jax.tree.map(lambda p, t=t: jnp.sin(p * (t + 2)), params)
+        updates, state = tx.update(grads, state, params, kl_probe=probe)
+    m = optax.tree_utils.tree_get(state, "first_moment")["q_proj"]["kernel"]
+    cos = jnp.sum(seen[-1] * m) / (jnp.linalg.norm(seen[-1]) * jnp.linalg.norm(m))
+    assert float(cos) > 1 - 1e-5  # the probed step points along M (not along this step's RowAdam direction)
+    alpha = optax.tree_utils.tree_get(state, "kl_alpha")
+    np.testing.assert_allclose(updates["q_proj"]["kernel"].factor, -alpha * seen[-1], rtol=1e-6)
+
+
 def test_transfer_is_the_orthogonal_projection_onto_the_new_subspace():
     """(M T) A_new = M A_old Π_new with Π_new = pinv(A_new) A_new, the projector onto A_new's row space: the
     part of the old direction the new subspace holds is kept, nothing is added (r/k of it for a fresh draw)."""
