@@ -38,50 +38,49 @@ def _indent(line: str) -> int:
     return len(line) - len(line.lstrip(" "))
 
 
+def _literal(lines: list[str], i: int, out: list[str]) -> int:
+    """Append the indented block starting at lines[i] as a literal block; return the index after it."""
+    block = []
+    while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > 0):
+        block.append(lines[i])
+        i += 1
+    while block and not block[-1].strip():
+        block.pop()
+    if out and out[-1].strip():
+        out[-1] = out[-1] + " ::"
+    else:
+        out.append("::")
+    out.append("")
+    out.extend("    " + b if b.strip() else "" for b in block)
+    out.append("")
+    return i
+
+
 def convert_prose(lines: list[str]) -> list[str]:
-    """Prose lines (dedented) → RST: indented blocks under a prose line become literal blocks."""
+    """Prose lines (dedented) → RST: an indented block under a prose line becomes a literal block; a list item's
+    continuation lines (indented up to the item's text) stay part of the item."""
     out: list[str] = []
+    item_indent = None  # text column of the list item being continued, if any
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.strip() and _indent(line) > 0 and (not out or out[-1].strip()):
-            prev = out[-1] if out else ""
-            continuation = _BULLET.match(prev.lstrip()) and _indent(line) <= _indent(prev) + 3
-            if not continuation:
-                block = []
-                while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > 0):
-                    block.append(lines[i])
-                    i += 1
-                while block and not block[-1].strip():
-                    block.pop()
-                if out:
-                    out[-1] = out[-1] + " ::"
-                else:
-                    out.append("::")
-                out.append("")
-                out.extend("    " + b if b.strip() else "" for b in block)
-                out.append("")
-                continue
-        if line.strip() and _indent(line) > 0 and out and not out[-1].strip():
-            # an indented block after a blank line: a quotation in RST; keep it verbatim as a literal block
-            block = []
-            while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > 0):
-                block.append(lines[i])
-                i += 1
-            while block and not block[-1].strip():
-                block.pop()
-            out.append("::")
+        if not line.strip():
             out.append("")
-            out.extend("    " + b if b.strip() else "" for b in block)
-            out.append("")
+            i += 1
             continue
-        if line.strip():
-            bullet = bool(_BULLET.match(line))
-            prev = out[-1] if out else ""
-            in_list = bool(prev.strip()) and (bool(_BULLET.match(prev)) or _indent(prev) > 0)
-            if prev.strip() and bullet != in_list:
-                out.append("")  # a list starts or ends: reStructuredText wants a blank line there
-        out.append(_escape(line) if line.strip() else "")
+        indent = _indent(line)
+        if indent > 0:
+            if item_indent is not None and indent <= item_indent:
+                out.append(" " * item_indent + _escape(line.strip()))
+                i += 1
+                continue
+            i = _literal(lines, i, out)
+            continue
+        bullet = _BULLET.match(line)
+        if out and out[-1].strip() and (bullet is not None) != (item_indent is not None):
+            out.append("")  # a list starts or ends: reStructuredText wants a blank line there
+        item_indent = bullet.end() if bullet else None
+        out.append(_escape(line))
         i += 1
     return out
 
