@@ -40,5 +40,5 @@ napoleon_use_ivar = True  # Attributes: as a field list; autodoc documents the f
 
 html_theme = "alabaster"
 html_title = "logra_jax"
-html_theme_options = {"page_width": "1180px", "body_max_width": "none", "sidebar_width": "220px"}
-html_static_path = []
+html_theme_options = {"page_width": "1320px", "body_max_width": "none", "sidebar_width": "230px"}
+html_static_path = ["_static"]  # custom.css (alabaster links it)

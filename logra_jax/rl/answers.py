@@ -1,7 +1,7 @@
 """Reading answers out of model text: final-answer extraction, numeric normalisation, arithmetic expressions.
 
 Model text is parsed, never evaluated: every function here is a small hand-written scanner or parser whose
-running time is linear in the (capped) input length, so adversarial text cannot execute code, recurse without
+running time is linear in the length of its input, so adversarial text cannot execute code, recurse without
 bound, or trigger regex backtracking.
 
 Final answer: the content of the last `\\boxed{...}` (braces balanced, nesting allowed) or the rest of the line
