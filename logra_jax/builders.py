@@ -7,8 +7,17 @@ from collections.abc import Callable, Sequence, Set
 from pathlib import Path
 
 import grain
+from jax.sharding import Mesh
 
-from logra_jax.models import char_tokenizer, init_model, load, preset
+from logra_jax.models import (
+    LoadStats,
+    abstract_model,
+    char_tokenizer,
+    init_model,
+    init_sharded_model,
+    load,
+    preset,
+)
 from logra_jax.models.decoder import Decoder
 from logra_jax.models.tokenizer import Tokenizer
 from logra_jax.rl.data import GeneratedTasks, JsonlTasks, data_source, problem_batches, record_to_problem
@@ -16,8 +25,14 @@ from logra_jax.rl.tasks import Problem, generate_problem
 from logra_jax.run_config import ModelSection, SFTSection, TaskSection
 
 
-def build_model(cfg: ModelSection) -> tuple[Decoder, Tokenizer]:
+def build_model(cfg: ModelSection, mesh: Mesh | None = None, *, weights: bool = True,
+                stats: LoadStats | None = None) -> tuple[Decoder, Tokenizer]:
     """The decoder and its tokenizer: a checkpoint (HF directory or GGUF) or a preset with random weights.
+
+    With `mesh`, the weights are created (random: `init_sharded_model`, under jit with the rules' out_shardings)
+    or read (each process reading only its devices' slices) straight into their shards: no device ever holds a
+    whole weight that the rules split. `weights=False`: the model is abstract (ShapeDtypeStruct leaves; a resumed
+    run restores its weights). `stats` counts a checkpoint's bytes read.
 
     Raises:
       ValueError: the tokenizer's vocabulary does not fit the model's, or the checkpoint carries no tokenizer
@@ -25,13 +40,19 @@ def build_model(cfg: ModelSection) -> tuple[Decoder, Tokenizer]:
     """
     overrides = dict(cfg.overrides)
     if cfg.checkpoint:
-        model, tokenizer, _ = load(cfg.checkpoint, **overrides)
+        model, tokenizer, _ = load(cfg.checkpoint, shardings=mesh, stats=stats, weights=weights, **overrides)
         if cfg.tokenizer == "char":
             tokenizer = char_tokenizer()
         elif tokenizer is None:
             raise ValueError(f"config.model.tokenizer = 'checkpoint', but {cfg.checkpoint} has no tokenizer")
     else:
-        model = init_model(preset(cfg.preset, **overrides), seed=cfg.init_seed)
+        config = preset(cfg.preset, **overrides)
+        if not weights:
+            model = abstract_model(config)
+        elif mesh is None:
+            model = init_model(config, seed=cfg.init_seed)
+        else:
+            model = init_sharded_model(config, mesh, seed=cfg.init_seed)
         tokenizer = char_tokenizer()
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"config.model: the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "

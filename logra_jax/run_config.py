@@ -175,7 +175,10 @@ class SFTSection:
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """prompts_per_step × num_samples responses per update, up to max_new_tokens each; sampling settings;
-    workers: 0 = colocated rollout engine, 1 = a separate rollout worker process (low-rank policy sync)."""
+    workers: 0 = colocated rollout engine, 1 = a separate rollout worker process (low-rank policy sync);
+    prompt_chunks: the prompts of a step (and of an evaluation batch) are generated in this many sequential chunks,
+    so the KV cache holds prompts_per_step / prompt_chunks prompts at a time (`python -m logra_jax.plan` says when
+    the rollout needs it)."""
 
     prompts_per_step: int = 16
     num_samples: int = 4
@@ -184,16 +187,17 @@ class RolloutSection:
     top_k: int = 0
     top_p: float = 1.0
     workers: int = 0
+    prompt_chunks: int = 1
 
     def sampling(self, eos_id: int, pad_id: int, *, greedy: bool = False) -> SamplingConfig:
         """The sampler's settings for a tokenizer's eos/pad ids; greedy: one temperature-0 response per prompt
         (evaluation)."""
         if greedy:
             return SamplingConfig(max_new_tokens=self.max_new_tokens, eos_id=eos_id, pad_id=pad_id, num_samples=1,
-                                  temperature=0.0)
+                                  temperature=0.0, prompt_chunks=self.prompt_chunks)
         return SamplingConfig(max_new_tokens=self.max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                               num_samples=self.num_samples, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p)
+                              top_p=self.top_p, prompt_chunks=self.prompt_chunks)
 
     def validate(self) -> None:
         _check_range("rollout", "prompts_per_step", self.prompts_per_step, 1)
@@ -203,6 +207,10 @@ class RolloutSection:
         _check_range("rollout", "top_k", self.top_k, 0)
         _check_range("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_choice("rollout", "workers", self.workers, (0, 1))
+        _check_range("rollout", "prompt_chunks", self.prompt_chunks, 1)
+        if self.prompts_per_step % self.prompt_chunks:
+            _fail("rollout.prompt_chunks", self.prompt_chunks, f"must divide rollout.prompts_per_step = "
+                  f"{self.prompts_per_step}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +355,8 @@ class OptimizerSection:
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
     """steps of RL updates, gradient-accumulation microbatches, seed, evaluation / checkpoint / log periods
-    (0 = never), checkpoints kept, and the device mesh (data × fsdp × tensor; 1×1×1 = one device). Resuming:
+    (0 = never), checkpoints kept, and the device mesh (data × fsdp × tensor); one of the three may be -1, "all
+    the devices the others leave" (the default: fsdp over every device; 1×1×1 = one device). Resuming:
     resume_step picks the checkpoint (-1 = the newest; newer ones are moved aside, not deleted); with
     resume_fallback an unreadable newest checkpoint is moved aside, loudly, and the next older one is tried."""
 
@@ -359,7 +368,7 @@ class TrainSection:
     keep_checkpoints: int = 2
     log_every: int = 1
     mesh_data: int = 1
-    mesh_fsdp: int = 1
+    mesh_fsdp: int = -1
     mesh_tensor: int = 1
     resume_step: int = -1
     resume_fallback: bool = False
@@ -378,7 +387,11 @@ class TrainSection:
         _check_range("train", "keep_checkpoints", self.keep_checkpoints, 1)
         _check_range("train", "log_every", self.log_every, 1)
         for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-            _check_range("train", name, getattr(self, name), 1)
+            if getattr(self, name) != -1:
+                _check_range("train", name, getattr(self, name), 1)
+        if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
+            _fail("train.mesh_fsdp", self.mesh_fsdp, "at most one of train.mesh_data / mesh_fsdp / mesh_tensor may "
+                  f"be -1 (all remaining devices), got {self.mesh_data} × {self.mesh_fsdp} × {self.mesh_tensor}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,35 +15,81 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
+from logra_jax import multihost
 from logra_jax.rl.prompts import PromptFormat, TextTokenizer, encode_sft
 from logra_jax.rl.tasks import Problem
 from logra_jax.run_config import SFTSection
+from logra_jax.sharding import (
+    MeshConfig,
+    batch_shardings,
+    jit_train_step,
+    make_mesh,
+    param_shardings,
+    replicated,
+    to_global,
+    train_state_shardings,
+)
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss
+
+SFT_BATCH = {"tokens": jnp.int32, "attention_mask": jnp.bool_, "loss_mask": jnp.bool_}  # `encode_sft`'s arrays
+
+
+def sft_optimizer(cfg: SFTSection) -> optax.GradientTransformation:
+    """The warm start's AdamW with a 5% warm-up and cosine decay to 10% of cfg.learning_rate."""
+    return optax.adamw(optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.steps // 20, 1),
+                                                          cfg.steps, cfg.learning_rate * 0.1))
+
+
+def sft_step(graphdef: nnx.GraphDef, abstract_params: Any, abstract_rest: Any, cfg: SFTSection, mesh: Mesh,
+             length: int) -> tuple[Callable[..., Any], Callable[[Any], TrainState], dict[str, Any], Any]:
+    """The warm start's jitted pieces on `mesh`: (step, init, batch shapes, state shardings).
+
+    init(params) -> TrainState creates the AdamW moments directly in their shards (jit with out_shardings,
+    params donated); step(state, rest, batch) -> (state, metrics) is the sharded `make_train_step` (batch rows
+    over the batch axes). `logra_jax.plan` compiles the same step for its SFT phase.
+    """
+    tx = sft_optimizer(cfg)
+    abstract_state = jax.eval_shape(lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)), abstract_params)
+    state_sh = train_state_shardings(abstract_state, mesh)
+    rest_sh = param_shardings(abstract_rest, mesh)
+    batch = {name: jax.ShapeDtypeStruct((cfg.batch_size, length), dtype) for name, dtype in SFT_BATCH.items()}
+    batch_sh = batch_shardings(batch, mesh)
+    step = jit_train_step(make_train_step(graphdef, next_token_loss, tx), mesh,
+                          in_shardings=(state_sh, rest_sh, batch_sh), out_shardings=(state_sh, replicated(mesh)))
+    init = jax.jit(lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)), out_shardings=state_sh,
+                   donate_argnums=0)
+    return step, init, batch, state_sh
 
 
 def supervised_warm_start(model: nnx.Module, tokenizer: TextTokenizer, fmt: PromptFormat,
                           problems: Sequence[Problem], cfg: SFTSection, length: int, *, seed: int = 0,
-                          on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+                          on_step: Callable[[int, dict[str, float]], None] | None = None,
+                          mesh: Mesh | None = None) -> dict[str, float]:
     """Train `model` in place for cfg.steps AdamW steps of next-token cross-entropy on prompt → target.
 
     Batches of cfg.batch_size problems are drawn uniformly (seeded) from `problems`; only target tokens
-    (answer + EOS) carry loss. Returns the last step's metrics (loss, seconds).
+    (answer + EOS) carry loss. The step runs on `mesh` (default: one device) with the weights, AdamW moments and
+    batch rows sharded by the rules (`sft_step`); every process draws the same batches. Returns the last step's
+    metrics (loss, seconds).
     """
     if cfg.steps < 1:
         raise ValueError(f"supervised_warm_start: cfg.steps must be >= 1, got {cfg.steps}")
+    if mesh is None:
+        mesh = make_mesh(MeshConfig(fsdp=1), jax.local_devices()[:1])
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.steps // 20, 1),
-                                                        cfg.steps, cfg.learning_rate * 0.1))
-    step_fn = jax.jit(make_train_step(graphdef, next_token_loss, tx), donate_argnums=0)
-    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    step_fn, init, batch_shapes, _ = sft_step(graphdef, params, rest, cfg, mesh, length)
+    batch_sh = batch_shardings(batch_shapes, mesh)
+    state = init(params)
     rng = np.random.default_rng(seed)
     metrics: dict[str, float] = {}
     for i in range(cfg.steps):
         start = time.perf_counter()
         picks = rng.integers(0, len(problems), cfg.batch_size)
         batch = encode_sft([problems[j] for j in picks], tokenizer, fmt, length)
-        state, out = step_fn(state, rest, {k: jnp.asarray(v) for k, v in batch.items()})
+        state, out = step_fn(state, rest, to_global({k: np.asarray(v) for k, v in batch.items()}, batch_sh))
         loss = float(out["loss"])
         if not np.isfinite(loss):
             raise FloatingPointError(f"supervised_warm_start: loss is {loss} at SFT step {i}")
@@ -58,9 +104,11 @@ def cached_warm_start(model: nnx.Module, warm_start: Callable[[], dict[str, floa
                       key: Mapping[str, Any]) -> tuple[dict[str, float], bool]:
     """Run `warm_start()` (which trains `model` in place) once per `key` and reuse its weights afterwards.
 
-    The weights land in cache_dir/sft-<digest of key>.npz (written to a temporary file and renamed, so a crash never
-    leaves a partial file); a later call with an equal key loads them into `model` bit for bit instead of
-    training. The key must hold everything the warm start depends on (model, SFT and task settings, seed, length).
+    The weights land in cache_dir/sft-<digest of key>.npz (written by process 0 to a temporary file and renamed,
+    so a crash never leaves a partial file); a later call with an equal key loads them into `model` bit for bit
+    instead of training, each process placing only its own shards. The key must hold everything the warm start
+    depends on (model, SFT and task settings, seed, length). Every process of a run calls this: the warm start
+    is one computation on the global mesh, so all of them train, or all of them load.
 
     Returns:
       (the warm start's metrics, True when they came from the cache).
@@ -72,7 +120,11 @@ def cached_warm_start(model: nnx.Module, warm_start: Callable[[], dict[str, floa
     path = Path(cache_dir) / f"sft-{hashlib.blake2b(blob, digest_size=10).hexdigest()}.npz"
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     names = [".".join(map(str, p)) for p, _ in flat]
-    if path.exists():
+    found = multihost.gather(np.int32(path.exists()))
+    if found.min() != found.max():
+        raise ValueError(f"SFT cache {path}: seen by processes {np.flatnonzero(found).tolist()} only; "
+                         "config.sft.cache_dir must be a directory every process shares")
+    if found[0]:
         with np.load(path) as data:
             missing = [n for n in names if n not in data.files]
             if missing or json.loads(str(data["__key__"])) != json.loads(blob):
@@ -83,16 +135,26 @@ def cached_warm_start(model: nnx.Module, warm_start: Callable[[], dict[str, floa
                 if value.shape != variable.get_value().shape:
                     raise ValueError(f"SFT cache {path}: parameter {name} has shape {value.shape}, the model's is "
                                      f"{variable.get_value().shape}")
-                loaded.append((keys, variable.replace(jnp.asarray(value, variable.get_value().dtype))))
+                old = variable.get_value()  # its sharding: each process places only its own shards
+                value = value.astype(old.dtype, copy=False)
+                loaded.append((keys, variable.replace(jax.make_array_from_callback(
+                    value.shape, old.sharding, lambda index, value=value: value[index]))))
             metrics = json.loads(str(data["__metrics__"]))
         nnx.update(model, nnx.from_flat_state(loaded))
         return metrics, True
     metrics = warm_start()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {name: np.asarray(v.get_value()) for name, (_, v) in
+    arrays = {name: _host(v.get_value()) for name, (_, v) in
               zip(names, nnx.to_flat_state(nnx.state(model, nnx.Param)), strict=True)}
+    if not multihost.is_primary():
+        return metrics, False
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         np.savez(f, __key__=np.asarray(blob.decode()), __metrics__=np.asarray(json.dumps(metrics)), **arrays)
     os.replace(tmp, path)
     return metrics, False
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """The whole of `x` on the host: gathered from every process when it spans several (all of them call this)."""
+    return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)

@@ -25,6 +25,7 @@ and process 0 alone writes the log, metrics, plots and summary. The loop is the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import time
 from collections.abc import Mapping
@@ -40,7 +41,6 @@ from logra_jax import metrics as metrics_lib
 from logra_jax import multihost
 from logra_jax.builders import build_model, build_tasks
 from logra_jax.checkpoint import CheckpointError, CheckpointManager
-from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.lifecycle import (
     RunPreempted,
     StopRequests,
@@ -50,15 +50,13 @@ from logra_jax.lifecycle import (
     record_config,
     write_json_atomic,
 )
-from logra_jax.optimizers import build_optimizer, check_optimizer_fits
+from logra_jax.models import LoadStats
+from logra_jax.optimizers import check_optimizer_fits
+from logra_jax.phases import Trainer, job_mesh, reference_logprobs
 from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
 from logra_jax.rl.evaluation import greedy_accuracy
 from logra_jax.rl.objective import (
-    make_policy_loss_fn,
-    probe_batch_shapes,
     probe_rows,
-    response_logprobs,
-    rl_batch_shapes,
 )
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
@@ -69,14 +67,11 @@ from logra_jax.sharding import (
     abstract_sharded,
     batch_shardings,
     global_rows,
-    jit_train_step,
     local_rows,
-    make_mesh,
     process_rows,
     replicated,
     to_global,
 )
-from logra_jax.train_step import TrainState, make_train_step, step_shardings
 from logra_jax.transport.rollout_worker import rollout_engine
 from logra_jax.transport.sync import PolicySync, flat_params
 
@@ -165,11 +160,8 @@ def _check_devices(run: RunConfig) -> None:
     """The mesh must fit the devices this process sees; a multi-process run's mesh spans every process's
     devices, and its rollouts stay on that mesh (checked before any work)."""
     t = run.train
-    needed = t.mesh_data * t.mesh_fsdp * t.mesh_tensor
+    needed = job_mesh(t).size  # raises when the sizes do not fit the devices
     sizes = f"config.train.mesh_data × mesh_fsdp × mesh_tensor = {t.mesh_data} × {t.mesh_fsdp} × {t.mesh_tensor}"
-    if needed > jax.device_count():
-        raise ValueError(f"{sizes} = {needed} devices, but this process sees {jax.device_count()} "
-                         f"({jax.default_backend()})")
     processes = jax.process_count()
     if processes > 1 and needed != jax.device_count():
         raise ValueError(f"{sizes} = {needed} devices, but the {processes} processes of this run have "
@@ -250,6 +242,70 @@ def _train_and_evaluate(run: RunConfig, workdir: Path, log: metrics_lib.Logger, 
     return summary
 
 
+@dataclasses.dataclass
+class _Start:
+    """What the start phase made: the mesh, the model in its shards (abstract when a resumed run needs no starting
+    weights), its tokenizer, the tasks and the prompt encoding."""
+
+    mesh: jax.sharding.Mesh
+    model: Any
+    tokenizer: Any
+    tasks: Any
+    fmt: PromptFormat
+    prompt_len: int
+
+
+def _start(run: RunConfig, workdir: Path, log: metrics_lib.Logger, resume_step: int | None) -> _Start:
+    """Phase "start": the mesh over every device the config names (`phases.job_mesh`), and the model created or
+    read straight into its shards (`builders.build_model`). A resumed run reads the starting weights only when the
+    KL penalty's reference (the SFT weights) needs them; otherwise its weights come from its checkpoint."""
+    mesh = job_mesh(run.train)
+    weights = resume_step is None or run.algorithm.kl_beta > 0
+    stats = LoadStats()
+    model, tokenizer = build_model(run.model, mesh, weights=weights, stats=stats)
+    if run.model.checkpoint and weights:
+        log(f"loaded {run.model.checkpoint} into a {'×'.join(map(str, mesh.devices.shape))} (data×fsdp×tensor) "
+            f"mesh: this process read {stats.bytes_read / 2**20:.1f} of {stats.bytes_total / 2**20:.1f} MiB",
+            everywhere=True)
+    fmt = PromptFormat(run.task.prompt_style)
+    with multihost.primary_first("prepare the task data"):  # process 0 writes the tfds files, the others read
+        tasks = build_tasks(run.task, run.sft, workdir / "data")
+    prompt_len = max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems],
+                                   tokenizer, fmt)
+    check_optimizer_fits(run.optimizer, model)
+    return _Start(mesh, model, tokenizer, tasks, fmt, prompt_len)
+
+
+def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: StopRequests,
+                resume_step: int | None) -> None:
+    """Phase "warm start": the SFT steps on the mesh (weights, AdamW moments and batch rows in their shards),
+    or its cached weights. A resumed run repeats it (deterministic) only for the KL penalty's reference."""
+    if not run.sft.steps or (resume_step is not None and run.algorithm.kl_beta <= 0):
+        return
+    again = "" if resume_step is None else " again, for the KL penalty's reference policy"
+    log(f"SFT warm start{again}: {run.sft.steps} steps on {len(job.tasks.sft_problems)} easier problems")
+    sft_len = job.prompt_len + run.rollout.max_new_tokens
+
+    def stop_during_sft(step: int, metrics: dict[str, float]) -> None:
+        del metrics
+        if stop.signum is not None:
+            raise RunPreempted(stop.signum, None, f" during the SFT warm start (at SFT step {step + 1}; SFT is "
+                                                  "not checkpointed, so the next run repeats it)")
+
+    warm_start = lambda: supervised_warm_start(job.model, job.tokenizer, job.fmt, job.tasks.sft_problems, run.sft,
+                                               sft_len, seed=run.train.seed, on_step=stop_during_sft, mesh=job.mesh)
+    if run.sft.cache_dir:  # the warm start depends only on these: compute it once, start every run from it
+        settings = run.to_dict()
+        key = {"model": settings["model"], "task": settings["task"], "seed": run.train.seed, "length": sft_len,
+               "sft": {k: v for k, v in settings["sft"].items() if k != "cache_dir"}}
+        sft, cached = cached_warm_start(job.model, warm_start, run.sft.cache_dir, key)
+        if cached:
+            log(f"SFT weights loaded from the cache in {run.sft.cache_dir}")
+    else:
+        sft = warm_start()
+    log(f"SFT done: loss {sft['sft_loss']:.4f}")
+
+
 def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests, reward_fn: RewardFn | None,
          ckpt: CheckpointManager, opened: list[Any]) -> dict[str, Any]:
     wall_start = time.perf_counter()
@@ -260,86 +316,49 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     resume_step = candidates[0] if candidates else None
     primary = multihost.is_primary()
 
-    model, tokenizer = build_model(run.model)
-    fmt = PromptFormat(run.task.prompt_style)
-    with multihost.primary_first("prepare the task data"):  # process 0 writes the tfds files, the others read
-        tasks = build_tasks(run.task, run.sft, workdir / "data")
-    prompt_len = max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems],
-                                   tokenizer, fmt)
+    job = _start(run, workdir, log, resume_step)
+    mesh, tokenizer, fmt, tasks, prompt_len = job.mesh, job.tokenizer, job.fmt, job.tasks, job.prompt_len
     rollout_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id)
     greedy_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
-
-    check_optimizer_fits(run.optimizer, model)
     writer = metrics_lib.MetricsWriter(workdir) if primary else metrics_lib.NullWriter()
     opened.append(writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
-    # A resumed run restores its weights from the checkpoint; it repeats the (deterministic) SFT warm start only
-    # when the reference-KL penalty needs the policy RL started from.
-    if run.sft.steps and (resume_step is None or run.algorithm.kl_beta > 0):
-        again = "" if resume_step is None else " again, for the KL penalty's reference policy"
-        log(f"SFT warm start{again}: {run.sft.steps} steps on {len(tasks.sft_problems)} easier problems")
-        sft_len = prompt_len + run.rollout.max_new_tokens
-        def stop_during_sft(step: int, metrics: dict[str, float]) -> None:
-            del metrics
-            if stop.signum is not None:
-                raise RunPreempted(stop.signum, None, f" during the SFT warm start (at SFT step {step + 1}; SFT is "
-                                                      "not checkpointed, so the next run repeats it)")
+    _warm_start(run, job, log, stop, resume_step)
 
-        warm_start = lambda: supervised_warm_start(model, tokenizer, fmt, tasks.sft_problems, run.sft, sft_len,
-                                                   seed=run.train.seed, on_step=stop_during_sft)
-        if run.sft.cache_dir:  # the warm start depends only on these: compute it once, start every run from it
-            settings = run.to_dict()
-            key = {"model": settings["model"], "task": settings["task"], "seed": run.train.seed, "length": sft_len,
-                   "sft": {k: v for k, v in settings["sft"].items() if k != "cache_dir"}}
-            with multihost.primary_first("SFT cache"):  # process 0 fills the cache, the others read it
-                sft, cached = cached_warm_start(model, warm_start, run.sft.cache_dir, key)
-            if cached:
-                log(f"SFT weights loaded from the cache in {run.sft.cache_dir}")
-        else:
-            sft = warm_start()
-        log(f"SFT done: loss {sft['sft_loss']:.4f}")
-
-    plan = build_optimizer(run.optimizer, model, temperature=run.rollout.temperature)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    _check_same_start(params, rest, run)
-    loss_cfg = run.algorithm.loss(run.rollout.max_new_tokens)
-    loss_fn = make_policy_loss_fn(loss_cfg, prompt_len, temperature=run.rollout.temperature)
-    train_step = make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode, microbatches=run.train.microbatches,
-                                 trainable=plan.trainable, kl_probe=plan.kl_probe, return_updates=True)
+    # Phase "trainer": the optimizer state created in its shards from the (donated) weights; a resumed run
+    # restores it into its abstract shapes (nothing materialised first).
+    trainer = Trainer.build(run, job.model, mesh)
+    plan, state_sh, rest_sh = trainer.plan, trainer.state_sh, trainer.rest_sh
     estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
                                     **run.algorithm.estimator_options())
-    state = TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32))
-
-    # Shard state and batches over the configured (data, fsdp, tensor) mesh (1×1×1 = one device); in a
-    # multi-process run it spans every process's devices and each process holds its own shards.
-    mesh = make_mesh(run.train.mesh(),
-                     jax.devices()[:run.train.mesh_data * run.train.mesh_fsdp * run.train.mesh_tensor])
-    state_sh, rest_sh = step_shardings(state, rest, mesh)
-    state, rest = to_global(state, state_sh), to_global(rest, rest_sh)
     est_state = to_global(estimator.init(), replicated(mesh))
+    ref_params = None
+    if run.algorithm.kl_beta > 0:  # the reference policy: the weights RL starts from (after any SFT), on the mesh
+        ref_params = jax.tree.map(jnp.copy, nnx.state(job.model, nnx.Param))
+    if resume_step is None:
+        _, params, rest = nnx.split(job.model, nnx.Param, ...)
+        state, rest = trainer.init(params, rest)
+        del params
+    else:
+        rest = trainer.rest_only()
+        abstract = (abstract_sharded(trainer.abstract_state, state_sh),
+                    abstract_sharded(est_state, jax.tree.map(lambda _: replicated(mesh), est_state)))
+        (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
+    job.model = None  # its weights are the state's now (donated), or were never read
     n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
-    batch_sh = batch_shardings(rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens,
-                                                 with_ref=run.algorithm.kl_beta > 0), mesh)
+    step_fn, batch_shapes, probe_shapes = trainer.step(run, mesh, prompt_len)
+    batch_sh = batch_shardings(batch_shapes, mesh)
+    probe_sh = None if probe_shapes is None else batch_shardings(probe_shapes, mesh)
     # Each process reads, samples and scores only the prompts of its own rows of every global batch.
     mine = _ProcessRows(run, mesh, prompt_len)
     data_iter = iter(tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
-    probe_shapes = probe_batch_shapes(run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens)
-    probe_sh = batch_shardings(probe_shapes, mesh) if plan.kl_probe is not None else None
-    step_fn = jit_train_step(lambda st, rs, b, pr: train_step(st, rs, b, **({} if pr is None else {"probe": pr})),
-                             mesh, in_shardings=(state_sh, rest_sh, batch_sh, probe_sh),
-                             out_shardings=(state_sh, replicated(mesh), None))
     ref_logprobs = None
-    if run.algorithm.kl_beta > 0:  # the reference policy: the weights RL starts from (after any SFT)
-        ref_params = jax.tree.map(jnp.copy, state.params)
-        ref_logprobs = jax.jit(lambda b: response_logprobs(
-            nnx.merge(graphdef, ref_params, rest), b["tokens"], b["attention_mask"], prompt_len,
-            temperature=run.rollout.temperature))
+    if ref_params is not None:
+        ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
+        ref_logprobs = lambda b: ref_fn(ref_params, rest, {k: b[k] for k in ("tokens", "attention_mask")})
 
     if resume_step is not None:
-        abstract = (abstract_sharded(state, state_sh),
-                    abstract_sharded(est_state, jax.tree.map(lambda _: replicated(mesh), est_state)))
-        (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
         data_iter.set_state(data_state)
         writer.truncate_after(resume_step)
         accuracy_before = extra["accuracy_before"]
@@ -349,24 +368,26 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     # held-out evaluation decodes greedily with the trainer's own weights.
     # The colocated engine keeps its copy in the trainer's shardings (each process updates its own shards).
     options = {} if run.rollout.workers else {"shardings": {**flat_params(state_sh.params), **flat_params(rest_sh)}}
-    engine = rollout_engine(run.rollout.workers, model.config, rollout_cfg, **options)
+    engine = rollout_engine(run.rollout.workers, trainer.model().config, rollout_cfg, **options)
     opened.append(engine)
     sync = PolicySync(engine.sync, state.params, version=int(state.step), trained=plan.dense_paths(state.params),
                       on_device=engine.on_device)
-    greedy = Sampler(model, greedy_cfg)
+    greedy = Sampler(trainer.model(), greedy_cfg, mesh=mesh)
     everywhere = replicated(mesh)
+    eval_rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    eval_sh = batch_shardings(jax.ShapeDtypeStruct((eval_rows, prompt_len), jnp.int32), mesh)
 
     def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Any:
-        """Greedy responses for prompts every process holds, returned to every process (held-out problems)."""
-        prompts, mask = to_global((prompts, mask), (everywhere, everywhere))
+        """Greedy responses for prompts every process holds, rows over the mesh's batch axes (the KV cache
+        sharded like a rollout's), returned whole to every process (held-out problems)."""
+        prompts, mask = to_global((prompts, mask), (eval_sh, eval_sh))
         out = greedy(prompts, mask, key, state=nnx.merge_state(state.params, rest))
         return jax.device_put(out, everywhere) if jax.process_count() > 1 else out
 
     def evaluate(show: str = "") -> float:
         """Held-out greedy accuracy; with `show`, log the first problems' greedy responses under that label."""
-        accuracy, responses = greedy_accuracy(
-            greedy_on_mesh, tasks.eval_problems,
-            tokenizer, fmt, prompt_len, run.rollout.prompts_per_step * run.rollout.num_samples)
+        accuracy, responses = greedy_accuracy(greedy_on_mesh, tasks.eval_problems, tokenizer, fmt, prompt_len,
+                                              eval_rows)
         for problem, response in list(zip(tasks.eval_problems, responses))[:EXAMPLES_SHOWN] if show else ():
             log(f"  {show}: {problem.question!r} (answer {problem.answer}) → {response.strip()[:200]!r}")
         return accuracy
@@ -520,26 +541,6 @@ class _ProcessRows:
     def row_problems(self, problems: list[Any]) -> list[Any]:
         """The problem of each rollout row this process holds (`problems`: its prompts' problems)."""
         return [problems[row // self.n - self.prompts[0]] for row in range(*self.rollout)]
-
-
-def _check_same_start(params: Any, rest: Any, run: RunConfig) -> None:
-    """Every process built the model (and ran any SFT warm start) on its own device; the shards it keeps come from
-    its own copy, so all copies must be bitwise equal. Checked by gathering the weights' fingerprints.
-
-    Raises:
-      ValueError: a process's weights differ from process 0's (names the processes and leaves, and the fix).
-    """
-    if jax.process_count() == 1:
-        return
-    prints = tree_fingerprint((params, rest))
-    words = multihost.gather(np.asarray(list(prints.values()), np.uint32))
-    differ = [q for q in range(len(words)) if not np.array_equal(words[q], words[0])]
-    if differ:
-        leaves = [p for i, p in enumerate(prints) if not np.array_equal(words[differ[0]][i], words[0][i])]
-        hint = ("set config.sft.cache_dir so that process 0 computes the warm start once and every process loads "
-                "it" if run.sft.steps else "check that every process runs the same code and model files")
-        raise ValueError(f"the starting weights of process(es) {differ} differ from process 0's in {len(leaves)} "
-                         f"leaves (e.g. {leaves[:3]}): each process builds the model on its own device; {hint}")
 
 
 def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, workdir: Path,

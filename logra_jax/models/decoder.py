@@ -16,10 +16,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.layers import MLP, Attention, Linear, RMSNorm
-from logra_jax.sharding import constrain
+from logra_jax.sharding import constrain, param_shardings
+from logra_jax.tree_paths import path_str
+
+# Logical axes of the cache's k / v [L, B, S, Hkv, hd]: rows over the batch axes, KV heads over tensor.
+KV_AXES = ("layers", "batch", "length", "act_kv_heads", None)
 
 
 class KVCache(NamedTuple):
@@ -134,7 +139,7 @@ class Decoder(nnx.Module):
             raise ValueError(f"init_cache: max_len={max_len} exceeds ModelConfig.max_seq_len={c.max_seq_len}")
         shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
         dtype = self.compute_dtype if dtype is None else dtype
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        return KVCache(k=constrain(jnp.zeros(shape, dtype), KV_AXES), v=constrain(jnp.zeros(shape, dtype), KV_AXES),
                        valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch,), jnp.int32),
                        index=jnp.zeros((), jnp.int32))
 
@@ -166,3 +171,19 @@ def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
 def abstract_model(config: ModelConfig) -> Decoder:
     """The decoder with ShapeDtypeStruct leaves (no allocation): for shapes, shardings and memory analysis."""
     return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(params=0)))
+
+
+def parameter_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
+    """{canonical parameter path: NamedSharding} of the decoder's parameters on `mesh` by the logical-axis rules."""
+    abstract = nnx.state(abstract_model(config), nnx.Param)
+    return {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings(abstract, mesh))[0]}
+
+
+def init_sharded_model(config: ModelConfig, mesh: Mesh, seed: int = 0) -> Decoder:
+    """`init_model(config, seed)` created directly in its shards on `mesh` (jit with the rules' out_shardings): no
+    device ever holds a whole weight that the rules split. Equal, bit for bit, to the unsharded `init_model`
+    (JAX's threefry random bits do not depend on the sharding)."""
+    graphdef, abstract = nnx.split(abstract_model(config))
+    shardings = param_shardings(abstract, mesh)
+    state = jax.jit(lambda: nnx.split(init_model(config, seed))[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

@@ -2,8 +2,9 @@
 
 Reading: `read_gguf` parses the metadata and tensor table itself and memory-maps the data (gguf-py's GGUFReader
 builds a numpy view per metadata element: seconds for a 49k-token vocabulary, where this takes a fraction of a
-second). Each tensor is dequantised on its own (`gguf.quants.dequantize`, float32) when its layer slice is due,
-so loading holds one leaf of float32 beyond the model itself (see `logra_jax.models.hf.build_model`). GGUF stores
+second). Each tensor is dequantised on its own (`gguf.quants.dequantize`, float32) when its first slice is due and
+dropped when the next tensor starts, so loading holds one float32 tensor (and one device's shard being placed)
+beyond the model itself (see `logra_jax.models.hf.build_model`). GGUF stores
 a Linear weight as [out, in] like Hugging Face, so tensors are mapped to Hugging Face names and share the Hugging
 Face filling path.
 
@@ -28,10 +29,11 @@ import gguf
 import jax
 import numpy as np
 import tokenizers
+from jax.sharding import Mesh
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.models.decoder import Decoder
-from logra_jax.models.hf import RUNTIME_FIELDS, build_model, rope_heads, rope_rows_to_half
+from logra_jax.models.decoder import Decoder, abstract_model
+from logra_jax.models.hf import RUNTIME_FIELDS, LoadStats, build_model, rope_heads, rope_rows_to_half
 from logra_jax.models.tokenizer import Tokenizer
 
 # General architecture → (ModelConfig.architecture, whether llama.cpp stored q/k rows interleaved).
@@ -274,15 +276,19 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], *, source: str = "GGUF") -> T
 
 
 def load_gguf(path: str | Path, *, rope_interleaved: bool = False,
-              shardings: Mapping[str, jax.sharding.Sharding] | None = None,
-              **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
+              shardings: Mapping[str, jax.sharding.Sharding] | Mesh | None = None, stats: LoadStats | None = None,
+              weights: bool = True, **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
     """Load a GGUF file (architecture llama or qwen2), dequantised to float32, with its tokenizer.
 
     Args:
       path: the .gguf file.
       rope_interleaved: keep q/k rows in the interleaved RoPE order (ModelConfig.rope_interleaved=True) instead
         of converting them to Hugging Face's rotate-half order; both give the same logits.
-      shardings: parameter path → Sharding for that leaf (default device otherwise).
+      shardings: parameter path → Sharding for that leaf (default device otherwise). GGUF's quantisation
+        blocks run along each row, so a tensor is dequantised whole (one tensor on the host at a time) and each
+        process then places only its devices' slices: unlike safetensors, every process reads every tensor.
+      stats: a LoadStats counting the bytes taken (of the dequantised float32 tensors).
+      weights: False reads only the config and tokenizer and returns the abstract model (no tensor is read).
       **overrides: runtime config fields (dtype, remat, attention_impl, attention_chunk, max_seq_len).
 
     Returns:
@@ -302,9 +308,19 @@ def load_gguf(path: str | Path, *, rope_interleaved: bool = False,
     fields, tensors = read_gguf(path)
     config = config_from_gguf(fields, set(tensors), source=str(path), rope_interleaved=rope_interleaved,
                               **overrides)
+    if not weights:
+        return abstract_model(config), tokenizer_from_gguf(fields, source=str(path)), config
     stored_interleaved = ARCHITECTURES[fields["general.architecture"]][1]
+    last: dict[str, np.ndarray] = {}  # the one tensor dequantised at a time (its slices are read in a row)
 
     def read(name: str) -> np.ndarray:
+        if name in last:
+            return last[name]
+        last.clear()
+        last[name] = _dequantised(name)
+        return last[name]
+
+    def _dequantised(name: str) -> np.ndarray:
         gguf_name = hf_to_gguf_name(name)
         if gguf_name not in tensors:
             raise ValueError(f"{path}: tensor {gguf_name!r} is missing")
@@ -318,7 +334,7 @@ def load_gguf(path: str | Path, *, rope_interleaved: bool = False,
         # build_model reorders to interleaved itself when config.rope_interleaved; hand it rotate-half rows.
         return rope_rows_to_half(w, heads) if stored_interleaved and heads is not None else w
 
-    model, used = build_model(config, read, source=str(path), shardings=shardings)
+    model, used = build_model(config, read, source=str(path), shardings=shardings, stats=stats)
     unexpected = sorted(set(tensors) - {hf_to_gguf_name(n) for n in used})
     if unexpected:
         raise ValueError(f"{path}: tensors not used by a {config.architecture} model: {unexpected[:8]}"

@@ -1,8 +1,10 @@
 """Hugging Face checkpoints: config.json ↔ ModelConfig and safetensors ↔ the stacked decoder parameters.
 
-Loading never holds two full copies of the weights: safetensors files are memory-mapped (pages come from the
-file, not the heap), each parameter leaf [L, ...] is filled layer slice by layer slice into one float32 buffer,
-placed on its device, and dropped before the next leaf starts: the host overhead is one leaf, not one model.
+Loading is sharded from the first byte: safetensors files are memory-mapped (pages come from the file, not the
+heap) and each parameter is assembled shard by shard on the devices that hold it (`place_leaf`): a process reads
+only the slices its own devices hold (q/k rows through the RoPE permutation, transposed kernels through the
+transpose), and the host holds one device's shard of one parameter at a time, never a whole model or a whole
+weight that the shardings split. `LoadStats` counts the bytes read.
 Export streams the other way, one leaf at a time from the device into the file.
 
 The safetensors format (8-byte little-endian header length, JSON header, raw little-endian data) is read and
@@ -16,6 +18,7 @@ Rotary embeddings use the rotate-half convention; a model held in the interleave
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -29,9 +32,10 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.models.decoder import Decoder, abstract_model
+from logra_jax.models.decoder import Decoder, abstract_model, parameter_shardings
 from logra_jax.models.jsonfile import read_json_object
 from logra_jax.models.tokenizer import Tokenizer
 
@@ -91,13 +95,52 @@ def rope_heads(name: str, config: ModelConfig) -> int | None:
     return None
 
 
-def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, source: str,
-                shardings: Mapping[str, jax.sharding.Sharding] | None = None) -> tuple[Decoder, set[str]]:
-    """A decoder whose parameters come from `read(hf_name)` (an array in Hugging Face layout), leaf by leaf.
+@dataclasses.dataclass
+class LoadStats:
+    """What a load read: `bytes_read` of the checkpoint's tensor data (in the file's dtype) out of `bytes_total`
+    for the tensors the model uses. A process of a sharded load reads only the slices its devices hold."""
 
-    Each leaf fills one float32 buffer, goes to its device (`shardings[path]`, else the default device) and is
-    released before the next; `read` should return lazy views or one tensor's worth of fresh memory. q/k rows
-    are reordered to the interleaved convention when config.rope_interleaved.
+    bytes_read: int = 0
+    bytes_total: int = 0
+
+
+def place_leaf(shape: tuple[int, ...], sharding: jax.sharding.Sharding | None,
+               read_slice: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    """A float32 array of `shape` in `sharding` (default: this process's first device) whose every shard is
+    `read_slice(index)` for the index that shard holds, read only for this process's devices.
+
+    Shards are read one distinct index at a time (devices holding the same slice share one read) and each is on
+    its device before the next is read: the host holds one shard, never the whole array.
+    """
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    by_index: dict[tuple[tuple[int, int, int], ...], list[jax.Device]] = {}
+    indices = sharding.addressable_devices_indices_map(shape)
+    for device, index in indices.items():
+        key = tuple(slice(None) if s is None else s for s in index)
+        by_index.setdefault(tuple(k.indices(n) for k, n in zip(key, shape)), []).append(device)
+    shards: dict[jax.Device, jax.Array] = {}
+    for bounds, devices in by_index.items():
+        index = tuple(slice(*b) for b in bounds)
+        host = np.ascontiguousarray(read_slice(index), np.float32)
+        for device in devices:
+            # Wait for each transfer: an asynchronous device_put keeps its host buffer alive.
+            shards[device] = jax.device_put(host, device).block_until_ready()
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in indices])
+
+
+def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, source: str,
+                shardings: Mapping[str, jax.sharding.Sharding] | Mesh | None = None,
+                stats: LoadStats | None = None) -> tuple[Decoder, set[str]]:
+    """A decoder whose parameters come from `read(hf_name)` (an array in Hugging Face layout), slice by slice.
+
+    `read` returns a lazily indexed view (a memory-mapped safetensors tensor: only the bytes of the slices taken
+    are read) or one tensor's worth of fresh memory. Each parameter goes to its devices (`shardings[path]`, else
+    this process's first device) shard by shard (`place_leaf`): a process reads only the slices its own devices
+    hold, and the host holds one device's shard of one parameter at a time (a Mesh for `shardings`: the
+    logical-axis rules' shardings on it, `parameter_shardings`). q/k rows are reordered to the
+    interleaved convention when config.rope_interleaved (the slice is taken through the permutation).
 
     Returns:
       (model, names read) so the caller can reject tensors the checkpoint has but the model does not use.
@@ -105,37 +148,54 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
     Raises:
       ValueError: a tensor's shape differs from the one the config implies (tensor, expected, found named).
     """
+    if isinstance(shardings, Mesh):
+        shardings = parameter_shardings(config, shardings)
     graphdef, state = nnx.split(abstract_model(config))
     table = {path: (name, transpose) for path, name, transpose in hf_tensor_names(config)}
     used: set[str] = set()
+    stats = LoadStats() if stats is None else stats
 
-    def fetch(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    def tensor(name: str, shape: tuple[int, ...], transpose: bool) -> Any:
         w = read(name)
         expected = shape[::-1] if transpose else shape
         if tuple(w.shape) != expected:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(w.shape)}, expected {expected} "
                              "from the model config")
+        if name not in used:
+            stats.bytes_total += int(np.prod(w.shape, dtype=np.int64)) * w.dtype.itemsize
+            used.add(name)
+        return w
+
+    def tensor_slice(name: str, shape: tuple[int, ...], transpose: bool, index: tuple[slice, ...]) -> np.ndarray:
+        """Our-layout slice `index` of tensor `name` (shape `shape` in our layout), read from its HF layout."""
+        w = tensor(name, shape, transpose)
+        hf_index = index[::-1] if transpose else index
         heads = rope_heads(name, config)
-        if config.rope_interleaved and heads is not None:
-            w = rope_rows_to_interleaved(w, heads)
-        used.add(name)
-        return w.T if transpose else w
+        if config.rope_interleaved and heads is not None:  # row j of ours is row perm[j] of the file
+            rows = rope_rows_to_interleaved(np.arange(w.shape[0]), heads)[hf_index[0]]
+            part = np.asarray(w[rows])[(slice(None), *hf_index[1:])]
+        else:
+            part = np.asarray(w[hf_index])
+        stats.bytes_read += part.size * w.dtype.itemsize
+        # A fresh copy: a CPU device_put may alias its host buffer, which must not be the checkpoint's memory.
+        return np.array(part.T if transpose else part, np.float32, order="C", copy=True)
 
     for path_tuple, variable in nnx.to_flat_state(state):
         path = ".".join(map(str, path_tuple))
         name, transpose = table[path]
         shape = tuple(variable.get_value().shape)
-        buffer = np.empty(shape, np.float32)
-        if "{i}" in name:
-            for i in range(config.num_layers):
-                buffer[i] = fetch(name.format(i=i), shape[1:], transpose)
-        else:
-            buffer[...] = fetch(name, shape, transpose)
-        sharding = None if shardings is None else shardings.get(path)
-        # Wait for the transfer: an asynchronous device_put keeps its host buffer alive, and without the wait
-        # every leaf's buffer could be in flight at once — a second full copy of the model.
-        variable.set_value(jax.device_put(buffer, sharding).block_until_ready())
-        del buffer
+
+        def read_slice(index: tuple[slice, ...], name: str = name, shape: tuple[int, ...] = shape,
+                       transpose: bool = transpose) -> np.ndarray:
+            if "{i}" not in name:
+                return tensor_slice(name, shape, transpose, index)
+            layers = range(shape[0])[index[0]]
+            out = np.empty((len(layers), *(len(range(n)[s]) for n, s in zip(shape[1:], index[1:]))), np.float32)
+            for j, i in enumerate(layers):
+                out[j] = tensor_slice(name.format(i=i), shape[1:], transpose, index[1:])
+            return out
+
+        variable.set_value(place_leaf(shape, None if shardings is None else shardings.get(path), read_slice))
     return nnx.merge(graphdef, state), used
 
 
@@ -356,14 +416,18 @@ def _open_checkpoint(directory: Path) -> dict[str, SafetensorsFile]:
     return dict.fromkeys(st.names(), st)
 
 
-def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Sharding] | Mesh | None = None,
+            stats: LoadStats | None = None, weights: bool = True,
             **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
     """Load a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM directory (config.json + safetensors).
 
     The directory holds config.json, model.safetensors or model.safetensors.index.json (+ shards), and
     optionally tokenizer.json / tokenizer_config.json. `shardings` maps a parameter path
-    ("blocks.attn.q_proj.kernel") to its Sharding (default device otherwise); `overrides` sets runtime config
-    fields (`RUNTIME_FIELDS`). Returns (model, tokenizer or None when the directory has none, config).
+    ("blocks.attn.q_proj.kernel") to its Sharding, or is a Mesh (default device otherwise): each process reads
+    only its devices' slices; `stats` (a LoadStats) counts the bytes read; `weights=False` reads only the config
+    and tokenizer and returns the abstract model (ShapeDtypeStruct leaves: a resumed run restores its weights from
+    its own checkpoint); `overrides` sets runtime config fields (`RUNTIME_FIELDS`). Returns (model, tokenizer or
+    None when the directory has none, config).
 
     Raises:
       FileNotFoundError: missing directory, config.json or weights file.
@@ -375,6 +439,9 @@ def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Shard
         raise FileNotFoundError(f"no config.json in {directory}" if directory.is_dir()
                                 else f"checkpoint directory not found: {directory}")
     config = config_from_hf(read_json_object(config_path), source=str(config_path), **overrides)
+    tokenizer = Tokenizer.from_directory(directory) if (directory / "tokenizer.json").is_file() else None
+    if not weights:
+        return abstract_model(config), tokenizer, config
     files = _open_checkpoint(directory)
 
     def read(name: str) -> np.ndarray:
@@ -382,13 +449,12 @@ def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Shard
             raise ValueError(f"{directory}: tensor {name!r} is missing from the checkpoint")
         return files[name].get(name)
 
-    model, used = build_model(config, read, source=str(directory), shardings=shardings)
+    model, used = build_model(config, read, source=str(directory), shardings=shardings, stats=stats)
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
     unexpected = sorted(n for n in set(files) - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise ValueError(f"{directory}: tensors not used by a {config.architecture} model with this config.json: "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    tokenizer = Tokenizer.from_directory(directory) if (directory / "tokenizer.json").is_file() else None
     return model, tokenizer, config
 
 

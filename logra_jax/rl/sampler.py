@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from logra_jax.models.decoder import Decoder
+from logra_jax.models.decoder import KV_AXES, Decoder
+from logra_jax.sharding import constrain, use_rules
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class SamplingConfig:
       temperature: τ; 0 means greedy decoding (top_k and top_p are then ignored).
       top_k: keep the k largest logits (0 = off).
       top_p: keep the nucleus of mass p (1.0 = off).
+      prompt_chunks: C, generate the B prompts in C sequential chunks of B / C (the KV cache holds one chunk).
     """
 
     max_new_tokens: int
@@ -51,9 +54,10 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    prompt_chunks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "num_samples"):
+        for name in ("max_new_tokens", "num_samples", "prompt_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SamplingConfig.{name} must be a positive integer, got {value!r}")
@@ -141,9 +145,9 @@ def _left_pack(prompts: jax.Array, prompt_mask: jax.Array) -> tuple[jax.Array, j
     return jnp.take_along_axis(prompts, order, axis=1), jnp.take_along_axis(prompt_mask, order, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "mesh"))
 def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, prompt_mask: jax.Array,
-             key: jax.Array, config: SamplingConfig) -> Rollout:
+             key: jax.Array, config: SamplingConfig, mesh: Mesh | None = None) -> Rollout:
     """Sample `config.num_samples` responses per prompt (jitted; see the module docstring for the maths).
 
     Args:
@@ -151,20 +155,50 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
       prompts: [B, P] int32 token ids, left- or right-padded.
       prompt_mask: [B, P], 1 at real tokens; every row needs at least one.
       key: a PRNG key; the same key gives the same samples.
-      config: static sampling settings.
+      config: static sampling settings. With prompt_chunks C > 1 the prompts are generated in C sequential chunks
+        (`lax.map`, chunk c with key fold_in(key, c)), each taking B / C prompts spread over the mesh's batch
+        shards, so the KV cache and decode temporaries hold one chunk; rows come back in prompt order.
+      mesh: the device mesh whose logical-axis rules shard the activations and KV cache (rows over the batch
+        axes, KV heads over tensor); None: no constraints.
 
     Returns:
       A `Rollout` with B·n rows.
+
+    Raises:
+      ValueError: B is not a multiple of config.prompt_chunks.
     """
+    with contextlib.nullcontext() if mesh is None else use_rules(mesh):
+        C = config.prompt_chunks
+        if C == 1:
+            return _generate_chunk(graphdef, state, prompts, prompt_mask, key, config)
+        B = prompts.shape[0]
+        if B % C:
+            raise ValueError(f"generate: {B} prompts do not split into prompt_chunks = {C}")
+        shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        D = shards if (B // C) % shards == 0 else 1  # chunk c takes rows from every batch shard alike
+        b, n = B // (C * D), config.num_samples
+        split = lambda x: x.reshape(D, C, b, *x.shape[1:]).swapaxes(0, 1).reshape(C, D * b, *x.shape[1:])
+        outs = jax.lax.map(lambda a: _generate_chunk(graphdef, state, a[1], a[2], jax.random.fold_in(key, a[0]),
+                                                     config),
+                           (jnp.arange(C), split(prompts), split(prompt_mask)))
+        return jax.tree.map(lambda x: x.reshape(C, D, b * n, *x.shape[2:]).swapaxes(0, 1).reshape(
+            B * n, *x.shape[2:]), outs)
+
+
+def _generate_chunk(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, prompt_mask: jax.Array,
+                    key: jax.Array, config: SamplingConfig) -> Rollout:
+    """`generate` for one chunk of prompts (traced inside it)."""
     B, P = prompts.shape
     n, N = config.num_samples, config.max_new_tokens
-    prompts, prompt_mask = _left_pack(prompts.astype(jnp.int32), prompt_mask.astype(bool))
+    prompts, prompt_mask = _left_pack(constrain(prompts.astype(jnp.int32), ("batch", "length")),
+                                      constrain(prompt_mask.astype(bool), ("batch", "length")))
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(B, P + N)
     logits, cache = model.forward_cached(prompts, cache, attention_mask=prompt_mask)
     repeat = functools.partial(jnp.repeat, repeats=n, total_repeat_length=B * n)
     cache = cache._replace(k=repeat(cache.k, axis=1), v=repeat(cache.v, axis=1), valid=repeat(cache.valid, axis=0),
                            positions=repeat(cache.positions, axis=0))
+    cache = cache._replace(k=constrain(cache.k, KV_AXES), v=constrain(cache.v, KV_AXES))
     last_logits = repeat(logits[:, -1], axis=0)
 
     def cond(carry):
@@ -204,7 +238,7 @@ class Sampler:
       ((1, 7), (1, 4))
     """
 
-    def __init__(self, model: Decoder, config: SamplingConfig):
+    def __init__(self, model: Decoder, config: SamplingConfig, mesh: Mesh | None = None):
         if not isinstance(config, SamplingConfig):
             raise TypeError(f"Sampler: config must be a SamplingConfig, got {type(config).__name__}")
         vocab = model.config.vocab_size
@@ -212,6 +246,7 @@ class Sampler:
             if getattr(config, name) >= vocab:
                 raise ValueError(f"Sampler: SamplingConfig.{name}={getattr(config, name)} >= vocab_size={vocab}")
         self.config = config
+        self.mesh = mesh  # rows and KV cache sharded by its rules (`generate`)
         self.max_seq_len = model.config.max_seq_len
         self.graphdef, self.state = nnx.split(model)
 
@@ -239,4 +274,4 @@ class Sampler:
         if empty.size:
             raise ValueError(f"Sampler: prompt_mask rows {empty.tolist()} have no real token")
         return generate(self.graphdef, self.state if state is None else state, prompts, prompt_mask, key,
-                        config=self.config)
+                        config=self.config, mesh=self.mesh)

@@ -169,7 +169,8 @@ class RolloutWorker:
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig,
                  shardings: Mapping[str, jax.sharding.Sharding] | None = None):
-        self.sampler = Sampler(abstract_model(model_config), sampling)
+        mesh = None if not shardings else next(iter(shardings.values())).mesh
+        self.sampler = Sampler(abstract_model(model_config), sampling, mesh=mesh)
         self.weights = RolloutWeights(self.sampler.state, shardings)
 
     def sync(self, payload: SyncPayload | bytes) -> SyncReply:

@@ -16,7 +16,7 @@ def make_tiny_config(**sections):
                  "prompt_style": "compact"},
         "rollout": {"prompts_per_step": 2, "num_samples": 2, "max_new_tokens": 3},
         "optimizer": {"name": "logra", "rank": 4, "update_ratio": 1e-2},
-        "train": {"steps": 3, "microbatches": 2},
+        "train": {"steps": 3, "microbatches": 2, "mesh_fsdp": 1},  # one device unless a test asks for a mesh
     }
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values}

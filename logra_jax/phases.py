@@ -1,0 +1,132 @@
+"""The main job's phases, built once for the job (logra_jax.train) and for its compile-only plan (logra_jax.plan).
+
+  start        the mesh (`job_mesh`) and the model created or read straight into its shards (builders.build_model)
+  warm start   the SFT step on the mesh (logra_jax.sft.sft_step)
+  trainer      the optimizer state created in its shards from the weights (`Trainer`: init under jit with
+               out_shardings, weights donated), or only its abstract shapes for a restore
+  RL step      rollout (`rollout_sampler`), KL reference log-probs (`reference_logprobs`), the train step
+               (`Trainer.step`), policy sync, held-out evaluation
+Each piece is a jitted function with explicit shardings, so that the job runs it and the plan lowers it from
+abstract inputs: what the plan measures is what the job runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from logra_jax.optimizers import OptimizerPlan, build_optimizer
+from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, response_logprobs, rl_batch_shapes
+from logra_jax.run_config import RunConfig, TrainSection
+from logra_jax.sharding import batch_shardings, jit_train_step, make_mesh, replicated
+from logra_jax.train_step import TrainState, make_train_step, step_shardings
+
+
+def job_mesh(train: TrainSection, devices: list[jax.Device] | None = None) -> Mesh:
+    """The run's (data, fsdp, tensor) mesh: with a -1 axis over all `devices` (default `jax.devices()`), else over
+    the first data × fsdp × tensor of them.
+
+    Raises:
+      ValueError: the sizes do not fit the devices (names the config fields, the sizes and the device count).
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = (train.mesh_data, train.mesh_fsdp, train.mesh_tensor)
+    fixed = abs(sizes[0] * sizes[1] * sizes[2])
+    names = (f"config.train.mesh_data × mesh_fsdp × mesh_tensor = {sizes[0]} × {sizes[1]} × {sizes[2]}")
+    if -1 in sizes:
+        if len(devices) % fixed:
+            raise ValueError(f"{names}: the -1 axis takes the devices the others leave, but {len(devices)} devices "
+                             f"are not a multiple of {fixed}")
+    elif fixed > len(devices):
+        raise ValueError(f"{names} = {fixed} devices, but this process sees {len(devices)} "
+                         f"({jax.default_backend()})")
+    else:
+        devices = devices[:fixed]
+    return make_mesh(train.mesh(), devices)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The optimizer of a run on its mesh: the plan, the split model, the train state's abstract shapes and
+    shardings, and the jitted functions that create it and step it.
+
+    Built from the model (real or abstract, `nnx.eval_shape`): `init(params, rest)` creates the TrainState and
+    the non-Param state (LoGRA's sketch probes) directly in their shards, the weights donated; `abstract()` is
+    the sharded ShapeDtypeStructs a checkpoint is restored into (nothing materialised first).
+    """
+
+    plan: OptimizerPlan
+    graphdef: nnx.GraphDef
+    abstract_state: TrainState
+    abstract_rest: Any
+    state_sh: TrainState
+    rest_sh: Any
+    init: Callable[[Any, Any], tuple[TrainState, Any]]
+    rest_only: Callable[[], Any]
+
+    @classmethod
+    def build(cls, run: RunConfig, model: nnx.Module, mesh: Mesh) -> Trainer:
+        model_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        built: dict[str, Any] = {}
+
+        def init(params: Any, rest: Any) -> tuple[TrainState, Any]:
+            m = nnx.merge(model_graphdef, params, rest)
+            built["plan"] = plan = build_optimizer(run.optimizer, m, temperature=run.rollout.temperature)
+            built["graphdef"], p, r = nnx.split(m, nnx.Param, ...)
+            return TrainState(p, plan.tx.init(p), jnp.zeros((), jnp.int32)), r
+
+        abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+        abstract_state, abstract_rest = jax.eval_shape(init, abstract(params), abstract(rest))
+        state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh)
+        zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), t)
+        return cls(plan=built["plan"], graphdef=built["graphdef"], abstract_state=abstract_state,
+                   abstract_rest=abstract_rest, state_sh=state_sh, rest_sh=rest_sh,
+                   init=jax.jit(init, out_shardings=(state_sh, rest_sh), donate_argnums=0),
+                   # the probes and digests alone (a resumed run's weights come from its checkpoint)
+                   rest_only=jax.jit(lambda: init(zeros(abstract(params)), zeros(abstract(rest)))[1],
+                                     out_shardings=rest_sh))
+
+    def model(self, params: Any = None, rest: Any = None) -> nnx.Module:
+        """The model with the optimizer's hooks: on `params` / `rest`, or abstract (for a Sampler's graph)."""
+        return nnx.merge(self.graphdef, self.abstract_state.params if params is None else params,
+                         self.abstract_rest if rest is None else rest)
+
+    def step(self, run: RunConfig, mesh: Mesh, prompt_len: int) -> tuple[Callable[..., Any], Any, Any]:
+        """(jitted step(state, rest, batch, probe) -> (state, metrics, updates), batch shapes, probe shapes|None):
+        the RL train step with the run's objective, microbatches and KL probe, sharded on `mesh`."""
+        loss_fn = make_policy_loss_fn(run.algorithm.loss(run.rollout.max_new_tokens), prompt_len,
+                                      temperature=run.rollout.temperature)
+        plan = self.plan
+        train_step = make_train_step(self.graphdef, loss_fn, plan.tx, mode=plan.mode,
+                                     microbatches=run.train.microbatches, trainable=plan.trainable,
+                                     kl_probe=plan.kl_probe, return_updates=True)
+        n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
+        batch = rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens, with_ref=run.algorithm.kl_beta > 0)
+        probe = None if plan.kl_probe is None else probe_batch_shapes(
+            run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens)
+        batch_sh = batch_shardings(batch, mesh)
+        probe_sh = None if probe is None else batch_shardings(probe, mesh)
+        step_fn = jit_train_step(
+            lambda st, rs, b, pr: train_step(st, rs, b, **({} if pr is None else {"probe": pr})), mesh,
+            in_shardings=(self.state_sh, self.rest_sh, batch_sh, probe_sh),
+            out_shardings=(self.state_sh, replicated(mesh), None))
+        return step_fn, batch, probe
+
+
+def reference_logprobs(trainer: Trainer, run: RunConfig, mesh: Mesh, prompt_len: int) -> Callable[..., Any]:
+    """jitted (reference params, rest, batch) -> per-token log-probs of the responses under the reference policy
+    (the KL penalty's), sharded like the trainer's weights and the batch rows."""
+    batch = rl_batch_shapes(run.rollout.prompts_per_step * run.rollout.num_samples, prompt_len,
+                            run.rollout.max_new_tokens)
+    batch_sh = batch_shardings({k: batch[k] for k in ("tokens", "attention_mask")}, mesh)
+    return jit_train_step(
+        lambda ref, rest, b: response_logprobs(trainer.model(ref, rest), b["tokens"], b["attention_mask"],
+                                               prompt_len, temperature=run.rollout.temperature),
+        mesh, in_shardings=(trainer.state_sh.params, trainer.rest_sh, batch_sh), out_shardings=None,
+        donate_argnums=())
