@@ -60,6 +60,9 @@ FIELD_MEANINGS: dict[str, str] = {
                            "probe).",
     "rollout.top_k": "Top-k sampling (0 = off).",
     "rollout.top_p": "Nucleus sampling (1 = off).",
+    "rollout.prompt_chunks": "Generate a step's prompts (and an evaluation batch) in this many sequential "
+                             "chunks, so the KV cache holds `prompts_per_step / prompt_chunks` prompts at a time "
+                             "(must divide `prompts_per_step`).",
     "rollout.workers": "0: the rollout engine runs in the trainer's process; 1: a separate rollout worker "
                        "process, synchronised with low-rank payloads (method §6).",
     "algorithm.estimator": "Advantage estimator, one of {ESTIMATORS}.",
@@ -123,9 +126,11 @@ FIELD_MEANINGS: dict[str, str] = {
     "train.checkpoint_every": "Checkpoint period in updates (0 = never).",
     "train.keep_checkpoints": "Checkpoints kept.",
     "train.log_every": "Metrics logging period in updates.",
-    "train.mesh_data": "Data-parallel axis of the device mesh.",
-    "train.mesh_fsdp": "FSDP axis of the device mesh (parameters and optimizer state sharded by rows).",
-    "train.mesh_tensor": "Tensor-parallel axis of the device mesh.",
+    "train.mesh_data": "Data-parallel axis of the device mesh (-1: all the devices the other two leave; at most "
+                       "one axis may be -1).",
+    "train.mesh_fsdp": "FSDP axis of the device mesh: parameters and optimizer state sharded by rows (-1: all the "
+                       "devices the other two leave).",
+    "train.mesh_tensor": "Tensor-parallel axis of the device mesh (-1: all the devices the other two leave).",
     "train.resume_step": "Checkpoint to resume from (-1 = the newest; newer ones are moved aside, not deleted).",
     "train.resume_fallback": "When the newest checkpoint cannot be read, move it aside loudly and try the next "
                              "older one.",
