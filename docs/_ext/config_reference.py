@@ -13,9 +13,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the tests import this module without Sphinx
+    from sphinx.application import Sphinx
 
 # "section.field" → meaning (Markdown). Defaults and types come from the code; do not repeat them here.
 FIELD_MEANINGS: dict[str, str] = {
@@ -137,11 +141,11 @@ FIELD_MEANINGS: dict[str, str] = {
 }
 
 
-def _run_config():
+def _run_config() -> types.ModuleType:
     return importlib.import_module("logra_jax.run_config")
 
 
-def _registries(module) -> dict[str, str]:
+def _registries(module: types.ModuleType) -> dict[str, str]:
     """{NAME: "`a`, `b`"} for every registry in run_config's namespace (an upper-case tuple of names, or a dict
     keyed by name such as ESTIMATORS), and the model presets."""
     out = {}
@@ -231,7 +235,7 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def _write(app) -> None:
+def _write(app: Sphinx) -> None:
     out = Path(app.srcdir) / "_generated" / "config_fields.md"
     out.parent.mkdir(exist_ok=True)
     text = reference_markdown()
@@ -239,6 +243,6 @@ def _write(app) -> None:
         out.write_text(text, encoding="utf-8")
 
 
-def setup(app):
+def setup(app: Sphinx) -> dict[str, bool]:
     app.connect("builder-inited", _write)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -9,6 +9,10 @@ escaped. Examples are left alone, so they stay doctest blocks.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the tests import this module without Sphinx
+    from sphinx.application import Sphinx
 
 _SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Example|Examples|Attributes|Note|Notes|Warning|"
                       r"References|See Also):\s*$")
@@ -115,10 +119,10 @@ def convert(lines: list[str]) -> list[str]:
     return out
 
 
-def _process(app, what, name, obj, options, lines):
+def _process(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
     lines[:] = convert(list(lines))
 
 
-def setup(app):
+def setup(app: Sphinx) -> dict[str, bool]:
     app.connect("autodoc-process-docstring", _process, priority=100)  # before napoleon (500)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

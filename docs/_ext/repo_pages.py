@@ -5,6 +5,10 @@ site without anyone listing it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sphinx.application import Sphinx
 
 
 def experiment_readmes(root: Path) -> list[Path]:
@@ -12,7 +16,7 @@ def experiment_readmes(root: Path) -> list[Path]:
     return sorted(p for p in (root / "experiments").glob("*/README.md"))
 
 
-def _write(app) -> None:
+def _write(app: Sphinx) -> None:
     src = Path(app.srcdir)
     out = src / "_generated" / "experiments"
     out.mkdir(parents=True, exist_ok=True)
@@ -29,6 +33,6 @@ def _write(app) -> None:
             page.write_text(text, encoding="utf-8")
 
 
-def setup(app):
+def setup(app: Sphinx) -> dict[str, bool]:
     app.connect("builder-inited", _write)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
