@@ -11,9 +11,9 @@ linear in the text's length).
 Numbers are compared exactly as fractions: "1,234" = "1234", "0.5" = "1/2" = "\\frac{1}{2}", "$18" = "18 dollars"
 = "18\\text{ dollars}", "50\\%" = "50", "2 million" = "2000000", "10^3" = "1 \\times 10^{3}" = "1000"; anything not
 numeric is compared as normalised text. Words after a number leave its value alone when they name what is counted
-or measured: units from UNIT_WORDS (currencies, measures, "per …" phrases), or any other word of three or more
-letters after a space ("5 apples") that is not in VALUE_WORDS, the words that change a value, name another one or
-hedge ("5 squared", "2 thirds", "2 pi", "5 or six"); magnitude words are applied ("2 million"). A single letter
+or measured: units from UNIT_WORDS (currencies, measures, "per …" phrases), or a plural noun after a space ("5
+apples") that is not in VALUE_WORDS, the words that change a value, name another one or hedge ("5 squared",
+"2 thirds", "2 pi", "5 or six"); magnitude words are applied ("2 million"). A single letter
 that is not a unit is a variable: "2x", "5i" are not numbers. Calculator E-notation ("1e3") is not a number: in
 mathematical text e is Euler's number, and the math graders of verl and TRL (math_verify) reject it too.
 The rules, each case and the reasons are in docs/grader.md.
@@ -69,6 +69,9 @@ VALUE_WORDS: frozenset[str] = frozenset({
     "and", "or", "nor", "to", "than", "but", "not", "no", "either", "neither", "maybe", "perhaps", "probably",
     "possibly", "approximately", "approx", "roughly", "about", "around", "nearly", "almost", "least", "most",
 })
+# Plurals without a final "s" that may name what a number counts ("3 children").
+IRREGULAR_PLURALS: frozenset[str] = frozenset({"children", "men", "women", "mice", "geese", "teeth", "sheep", "fish",
+                                               "deer", "oxen", "dice", "cattle"})
 _VOWELS = frozenset("aeiouy")
 # Magnitude words after a number multiply it ("2 million" = 2000000); they are applied, never ignored.
 MAGNITUDE_WORDS: dict[str, int] = {"dozen": 12, "hundred": 100, "thousand": 10**3, "million": 10**6,
@@ -186,12 +189,18 @@ def _in(word: str, words: frozenset[str]) -> bool:
     return word in words or (len(word) > 2 and word.endswith("s") and word[:-1] in words)
 
 
-def _is_unit(word: str, spaced: bool) -> bool:
-    """A unit from UNIT_WORDS, or (after a space) the name of what is counted: a word of three or more letters
-    with a vowel that is not in VALUE_WORDS ("apples", "pencils"; not "squared", "pi", "or")."""
+def _is_unit(word: str, spaced: bool, after_per: bool) -> bool:
+    """A unit from UNIT_WORDS, or (after a space) the name of what is counted and not a word of VALUE_WORDS: a
+    plural noun ("apples", "pencils": four or more letters ending in "s" with a vowel before it, or an irregular
+    plural such as "children"), or after "per" any word of three or more letters with a vowel ("per basket").
+    Plural only, so that junk after a number ("19 qwe") does not pass for what it counts."""
     if _in(word, UNIT_WORDS):
         return True
-    return spaced and len(word) >= 3 and not _VOWELS.isdisjoint(word) and not _in(word, VALUE_WORDS)
+    if not spaced or _in(word, VALUE_WORDS) or _VOWELS.isdisjoint(word[:-1]):
+        return False
+    if after_per:
+        return len(word) >= 3
+    return (len(word) >= 4 and word.endswith("s")) or word in IRREGULAR_PLURALS
 
 
 def _units(rest: str) -> int | None:
@@ -216,7 +225,7 @@ def _units(rest: str) -> int | None:
             if not after_unit or k + 1 == len(words):
                 return None
             after_unit = False
-        elif _is_unit(word, spaced[k]):
+        elif _is_unit(word, spaced[k], k > 0 and words[k - 1] in ("per", "/")):
             after_unit = True
         else:
             return None

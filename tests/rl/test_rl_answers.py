@@ -106,11 +106,14 @@ def test_extract_answer_takes_the_marker_that_comes_last():
     ("5 or six", None),  # hedged
     ("5 or 6", None),
     ("5 dollars per", None),
-    # what is counted, after a space, leaves the value alone; words that change it, name another quantity or hedge
-    # do not (docs/grader.md)
+    # what is counted (a plural noun after a space) leaves the value alone; words that change it, name another
+    # quantity or hedge do not (docs/grader.md)
     ("7 apples", Fraction(7)),
     ("5 pencils per box", Fraction(5)),
     (r"5\text{ apples}", Fraction(5)),
+    ("3 children", Fraction(3)),
+    ("5 apples per basket", Fraction(5)),
+    ("19 qwe", None),  # not a plural noun: junk after a number is not what it counts
     ("5apples", None),  # no space: a product of variables to the parser, as "2abc" is
     ("5 squared", None),
     ("2 thirds", None),
