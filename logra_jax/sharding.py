@@ -191,6 +191,22 @@ def use_rules(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[None]
         _ACTIVE.reset(token)
 
 
+def batch_shards() -> int:
+    """How many ways the active rules split the 'batch' axis (data × fsdp devices under `use_rules`; 1 without).
+
+    Example:
+      >>> mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+      >>> with use_rules(mesh):
+      ...     batch_shards()
+      1
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    mesh, rules = active
+    return math.prod(mesh.shape[a] for a in as_tuple(logical_to_spec(("batch",), rules)[0]))
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Sharding constraint on an activation by logical axis names; identity when no rules are active.
 

@@ -62,6 +62,7 @@ class KLProbeConfig:
     temperature: float = 1.0
     chunk: int = 256
     undo_above: float = 0.0
+    passes: int | None = None  # probe rows in this many sequential slices; None: one row per batch shard at a time
 
 
 def densely_trained(mode: str, trainable: Trainable | None) -> Callable[[tuple[str, ...]], bool]:
@@ -102,6 +103,16 @@ def accumulate_grads(value_and_grad: Callable[[Mapping[str, jax.Array]], tuple[t
         equal shares of its normaliser).
     Aux metrics are averaged over microbatches; LOSS_DENOMINATOR is reported summed.
     """
+    if microbatches == 1:  # no loop, so no float32 accumulator beside the gradient itself (same arithmetic)
+        (loss, aux), grads = value_and_grad(batch)
+        weighted = isinstance(aux, Mapping) and LOSS_DENOMINATOR in aux
+        den = aux[LOSS_DENOMINATOR].astype(jnp.float32) if weighted else jnp.float32(1.0)
+        weight, norm = jnp.maximum(den, 1.0), jnp.maximum(den, 1.0)
+        aux = jax.tree.map(lambda x: x.astype(jnp.float32), aux)
+        if weighted:
+            aux = {**aux, LOSS_DENOMINATOR: den}
+        return (weight * loss.astype(jnp.float32) / norm,
+                jax.tree.map(lambda g: weight * g.astype(jnp.float32) / norm, grads), aux)
     mbs = split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda x: x[0], mbs)
     (_, aux_shape), grad_shape = jax.eval_shape(value_and_grad, first)
@@ -169,7 +180,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
         must have been attached with the same spec).
       microbatches: gradient-accumulation slices of the batch.
       trainable: nnx filter predicate (path, variable) -> bool. Dense mode: the params that get gradients (None =
-        all; the rest get zero updates). Sketch-native mode: the non-target params trained densely (None = none).
+        all; the rest are frozen: never differentiated nor rewritten). Sketch-native mode: the non-target params
+        trained densely (None = none).
       kl_probe: probe the predicted KL of each update (tx must contain scale_by_predicted_kl); the step then
         takes `probe={'tokens', 'attention_mask', 'kl_mask'}` and reports the realised KL.
       return_updates: also return the merged update tree for policy sync: LowRankUpdate leaves for targets, dense
@@ -253,14 +265,17 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             if probe is None:
                 raise ValueError("train step built with kl_probe needs probe={'tokens', 'attention_mask', 'kl_mask'}")
             extra["kl_probe"] = probe_fn = make_kl_probe(graphdef, state.params, rest, state.step, probe,
-                                                         kl_probe.temperature, kl_probe.chunk)
+                                                         kl_probe.temperature, kl_probe.chunk,
+                                                         passes=kl_probe.passes)
             if "rollout_mismatch" in metrics:  # measured by the RL objective; feeds the controller's EMA
                 extra.setdefault("rollout_mismatch", metrics["rollout_mismatch"])
         updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
         # A step the KL controller refused advances no state: its updates are zeros (params stay bit for bit),
         # moments, counters and the projection step stay where they were; only the refusal count moves.
         updates, opt_state, refused = hold_if_skipped(updates, state.opt_state, opt_state)
-        new_params = apply_lowrank_updates(state.params, updates)
+        # Only what is trained is merged: a frozen parameter keeps its (donated) buffer instead of being rewritten
+        # as W + 0·s (a full-size copy XLA cannot fold away once the KL controller scales the updates).
+        new_params = apply_lowrank_updates(state.params, sync_view(updates))
         new_step = state.step + 1 if refused is None else jnp.where(refused, state.step, state.step + 1)
         metrics = {"loss": loss, **metrics}
         if refused is not None:
@@ -273,7 +288,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             metrics["kl_predicted"] = metrics["kl_alpha"] ** 2 * metrics["kl_q"]
         if kl_probe is not None:
             kl_sum, count = realised_kl(graphdef, state.params, new_params, rest, probe, kl_probe.temperature,
-                                        kl_probe.chunk, hidden_before=getattr(probe_fn, "hidden_before", None))
+                                        kl_probe.chunk, hidden_before=getattr(probe_fn, "hidden_before", None),
+                                        passes=kl_probe.passes)
             metrics["kl_realised"] = kl_sum / jnp.maximum(count, 1.0)
             if kl_probe.undo_above > 0:  # overshoot: undo the merge (W back) and hold every state
                 undone = metrics["kl_realised"] > kl_probe.undo_above * metrics["kl_budget"]

@@ -341,16 +341,16 @@ def classify_temp(inst: Instruction, shapes: Shapes) -> str:
     dims = tuple(d for d in inst.dims if d != 1)
     key = tuple(sorted(dims))
     file, function = inst.frame
+    if key in shapes.layer_weights:
+        return GATHERED  # a whole layer's weight on one device (after the all-gather; f32 if XLA:CPU upcast it)
     if inst.upcast:
         return CPU_UPCAST
-    if key in shapes.layer_weights:
-        return GATHERED
     if key in shapes.sketches:
         return SKETCHES
     if key in shapes.shards:
         # a per-device weight shard in f32 carried by a loop (the backward scan's accumulator) or made by the
         # gradient / optimizer code is a dense gradient; anything else is a copy (cast, transposed) of a weight
-        carried = inst.opcode in ("parameter", "while", "tuple", "get-tuple-element")
+        carried = inst.opcode in ("parameter", "while", "tuple", "get-tuple-element", "broadcast")
         if inst.dtype == "f32" and (carried or file in ("train_step.py", "_adam.py", "transform.py")):
             return GRADIENTS
         return WEIGHT_COPIES

@@ -7,6 +7,7 @@ over that axis and calls the module on one layer's slice, so the same `__call__`
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -40,6 +41,21 @@ class RMSNorm(nnx.Module):
         return (y.astype(x.dtype) * self.scale[...].astype(x.dtype)).astype(x.dtype)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def cast_sharded(kernel: jax.Array, dtype: jnp.dtype, axes: tuple[str, ...]) -> jax.Array:
+    """A float32 kernel cast to the compute dtype while still split like the parameter (`constrain` to its logical
+    axes), so the FSDP all-gather that follows moves compute-dtype bytes (half of float32's for bfloat16) and
+    the gathered copy is that size. The same values as casting after the gather; its derivatives are those of
+    `astype` (no constraint on tangents or cotangents: the gradient path is unchanged)."""
+    return constrain(kernel.astype(dtype), axes)
+
+
+@cast_sharded.defjvp
+def _cast_sharded_jvp(dtype, axes, primals, tangents):
+    (kernel,), (dkernel,) = primals, tangents
+    return cast_sharded(kernel, dtype, axes), dkernel.astype(dtype)
+
+
 class Linear(nnx.Module):
     """y = x · kernel (+ bias), kernel [in, out] (Flax layout: LoGRA's W is kernelᵀ, rows = out features)."""
 
@@ -58,10 +74,14 @@ class Linear(nnx.Module):
         self.lowrank_hook = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        axes = self.kernel.get_metadata().get("axes")
+        kernel = self.kernel[...]
+        if axes and kernel.dtype != x.dtype:
+            kernel = cast_sharded(kernel, x.dtype, tuple(axes[-kernel.ndim:]))
         if self.lowrank_hook is not None:
-            y = self.lowrank_hook(x, self.kernel[...], self.sketch_probe[...], self.sketch_digest[...])
+            y = self.lowrank_hook(x, kernel, self.sketch_probe[...], self.sketch_digest[...])
         else:
-            y = jnp.einsum("...k,kd->...d", x, self.kernel[...].astype(x.dtype))
+            y = jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y

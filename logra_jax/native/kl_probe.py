@@ -20,6 +20,7 @@ from flax import nnx
 
 from logra_jax.native.sketch_probes import SketchProbe, sketching
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
+from logra_jax.sharding import batch_shards
 
 
 def kl_quadratic(logits: jax.Array, dlogits: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -72,8 +73,13 @@ def predicted_kl_terms(hidden: jax.Array, dhidden: jax.Array, head: jax.Array, m
     Returns:
       (sum of q_t, count) as float32 scalars: reduce both across data-parallel shards before dividing.
     """
+    # The head's compute-dtype copy is made once the hidden states exist (an ordering barrier, no arithmetic):
+    # left free, the scheduler may cast it at the start of the step and hold it across the train step's peak.
+    head, hidden, dhidden = jax.lax.optimization_barrier((head, hidden, dhidden))
+    head = head.astype(hidden.dtype)
+
     def q_of(h, dh):
-        z = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+        z = jnp.einsum("btd,dv->btv", h, head, preferred_element_type=jnp.float32)
         dz = jnp.einsum("btd,dv->btv", dh, head.astype(dh.dtype), preferred_element_type=jnp.float32)
         return kl_quadratic(z, dz, temperature)
 
@@ -86,10 +92,13 @@ def realised_kl_terms(hidden: jax.Array, new_hidden: jax.Array, head: jax.Array,
     """(Σ_t KL_t, #t): exact KL between the policies before and after an update, chunked like the prediction
     (`new_head`: the output projection after the update when it was trained too; default `head`)."""
     head2 = head if new_head is None else new_head
+    # As in `predicted_kl_terms`: the compute-dtype heads are made once both hidden states exist.
+    head, head2, hidden, new_hidden = jax.lax.optimization_barrier((head, head2, hidden, new_hidden))
+    head, head2 = head.astype(hidden.dtype), head2.astype(new_hidden.dtype)
 
     def kl_of(h, h2):
-        z = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-        z2 = jnp.einsum("btd,dv->btv", h2, head2.astype(h2.dtype), preferred_element_type=jnp.float32)
+        z = jnp.einsum("btd,dv->btv", h, head, preferred_element_type=jnp.float32)
+        z2 = jnp.einsum("btd,dv->btv", h2, head2, preferred_element_type=jnp.float32)
         return exact_kl(z, z2, temperature)
 
     return _chunked_positions(kl_of, (hidden, new_hidden), mask, chunk)
@@ -101,9 +110,35 @@ def lowrank_factors(updates: Any) -> dict[str, jax.Array]:
     return {u.target.path: u.factor for u in leaves if isinstance(u, LowRankUpdate)}
 
 
+def probe_passes(rows: int, passes: int | None = None) -> int:
+    """How many sequential passes the probe's `rows` are split into: `passes`, or by default (None) one probe
+    row per batch shard per pass (`logra_jax.sharding.batch_shards` under the active rules), so a device holds
+    the JVP's activations of one response at a time whatever the number of probe responses.
+
+    Raises:
+      ValueError: passes < 1, or not a divisor of rows.
+    """
+    if passes is None:
+        passes = max(1, rows // batch_shards())
+    if passes < 1 or rows % passes:
+        raise ValueError(f"probe passes must divide the probe's {rows} rows, got {passes}")
+    return passes
+
+
+def _split_rows(x: jax.Array, passes: int) -> jax.Array:
+    """[B, ...] → [passes, B/passes, ...], rows interleaved (pass m holds rows m, m + passes, ...): each pass
+    spreads evenly over the data-parallel shards of a batch sharded on its rows."""
+    return x.reshape(x.shape[0] // passes, passes, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _join_rows(x: jax.Array) -> jax.Array:
+    """The inverse of `_split_rows`: [passes, B/passes, ...] → [B, ...]."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, step: jax.Array,
-                  probe: Mapping[str, jax.Array], temperature: float = 1.0, chunk: int = 256
-                  ) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
+                  probe: Mapping[str, jax.Array], temperature: float = 1.0, chunk: int = 256, *,
+                  passes: int | None = None) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
     """kl_probe(updates) -> (Σ q_t, #t) for `scale_by_predicted_kl`, by one forward-mode JVP of the model.
 
     After a call, `kl_probe.hidden_before` holds the JVP's primal (the probe's final hidden states under
@@ -121,14 +156,16 @@ def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, st
         next-token distribution is probed: the positions that generated a response token).
       temperature: the sampling temperature.
       chunk: positions per chunk of the [B, chunk, V] temporaries.
+      passes: run the JVP over the probe rows in this many sequential slices (`probe_passes`; default: one row
+        per batch shard at a time). Σ q_t and #t are summed over the slices.
     """
     probes, others = nnx.split_state(rest, SketchProbe, ...)
     probe_paths = [(k, ".".join(map(str, k[:-1])) + ".kernel") for k, _ in nnx.to_flat_state(probes)]
 
-    def features(probe_values: nnx.State) -> jax.Array:
+    def features(probe_values: nnx.State, rows: Mapping[str, jax.Array]) -> jax.Array:
         with sketching(step, kind="tangent"):
             model = nnx.merge(graphdef, params, nnx.merge_state(probe_values, others))
-            return model.features(probe["tokens"], attention_mask=probe["attention_mask"])
+            return model.features(rows["tokens"], attention_mask=rows["attention_mask"])
 
     def kl_probe(updates: Any) -> tuple[jax.Array, jax.Array]:
         with jax.named_scope("kl_probe"):  # names the probe's buffers in compiled memory reports
@@ -141,10 +178,25 @@ def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, st
             (k, flat[k].replace(factors[target].astype(jnp.float32) if target in factors
                                 else jnp.zeros_like(flat[k][...])))
             for k, target in probe_paths])
-        hidden, dhidden = jax.jvp(features, (probes,), (tangent,))
-        kl_probe.hidden_before = hidden  # the JVP's primal: the realised KL reuses it (no second old forward)
         head = nnx.merge(graphdef, params, rest).head_weight()
-        return predicted_kl_terms(hidden, dhidden, head, probe["kl_mask"], temperature, chunk)
+
+        def one_pass(rows: Mapping[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            hidden, dhidden = jax.jvp(lambda pv: features(pv, rows), (probes,), (tangent,))
+            return hidden, predicted_kl_terms(hidden, dhidden, head, rows["kl_mask"], temperature, chunk)
+
+        n = probe_passes(probe["tokens"].shape[0], passes)
+        if n == 1:
+            hidden, terms = one_pass(probe)
+        else:
+            def body(carry, rows):
+                hidden, (q, count) = one_pass(rows)
+                return (carry[0] + q, carry[1] + count), hidden
+
+            zero = jnp.zeros((), jnp.float32)
+            terms, hiddens = jax.lax.scan(body, (zero, zero), {k: _split_rows(v, n) for k, v in probe.items()})
+            hidden = _join_rows(hiddens)
+        kl_probe.hidden_before = hidden  # the JVP's primal: the realised KL reuses it (no second old forward)
+        return terms
 
     kl_probe.hidden_before = None
     return kl_probe
@@ -152,25 +204,36 @@ def make_kl_probe(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, st
 
 def realised_kl(graphdef: nnx.GraphDef, params: nnx.State, new_params: nnx.State, rest: nnx.State,
                 probe: Mapping[str, jax.Array], temperature: float = 1.0, chunk: int = 256, *,
-                hidden_before: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                hidden_before: jax.Array | None = None, passes: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(Σ_t KL_t, #t): exact KL(π_params ‖ π_new_params) at the probed positions (probe as in `make_kl_probe`).
 
     hidden_before: the probe's final hidden states under `params` when already computed (`kl_probe.hidden_before`
     of `make_kl_probe`): then only the head of `params` is read, and the old weights need not outlive the merge.
+    passes: forward the probe rows in this many sequential slices (`probe_passes`, as in `make_kl_probe`).
     """
     with jax.named_scope("realised_kl"):  # names the buffers in compiled memory reports
-        return _realised_kl(graphdef, params, new_params, rest, probe, temperature, chunk, hidden_before)
+        old = nnx.merge(graphdef, params, rest)
+        new = nnx.merge(graphdef, new_params, rest)
 
+        def one_pass(rows: Mapping[str, jax.Array], h_old: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+            if h_old is None:
+                h_old = old.features(rows["tokens"], attention_mask=rows["attention_mask"])
+            h_new = new.features(rows["tokens"], attention_mask=rows["attention_mask"])
+            return realised_kl_terms(h_old, h_new, old.head_weight(), rows["kl_mask"], temperature, chunk,
+                                     new_head=new.head_weight())
 
-def _realised_kl(graphdef, params, new_params, rest, probe, temperature, chunk, hidden_before):
-    old = nnx.merge(graphdef, params, rest)
-    h_old = hidden_before
-    if h_old is None:
-        h_old = old.features(probe["tokens"], attention_mask=probe["attention_mask"])
-    new = nnx.merge(graphdef, new_params, rest)
-    h_new = new.features(probe["tokens"], attention_mask=probe["attention_mask"])
-    return realised_kl_terms(h_old, h_new, old.head_weight(), probe["kl_mask"], temperature, chunk,
-                             new_head=new.head_weight())
+        n = probe_passes(probe["tokens"].shape[0], passes)
+        if n == 1:
+            return one_pass(probe, hidden_before)
+
+        def body(carry, xs):
+            kl, count = one_pass(*xs)
+            return (carry[0] + kl, carry[1] + count), None
+
+        zero = jnp.zeros((), jnp.float32)
+        rows = {k: _split_rows(v, n) for k, v in probe.items()}
+        h_old = None if hidden_before is None else _split_rows(hidden_before, n)
+        return jax.lax.scan(body, (zero, zero), (rows, h_old))[0]
 
 
 def predicted_and_realised_kl(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, step: jax.Array,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
 
 from logra_jax.kernels.project import sketched_linear
 from logra_jax.models.layers import Linear
@@ -82,9 +83,36 @@ class LowRankHook:
         if mode.kind == "sketch":
             return sketched_linear(x, jax.lax.stop_gradient(kernel), jax.lax.stop_gradient(a), probe,
                                    implementation=self.spec.implementation, interpret=self.spec.interpret)
-        y = jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
+        return _tangent_linear(x, kernel, a, probe)
+
+
+@jax.custom_jvp
+def _tangent_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Array) -> jax.Array:
+    """y = x·K + (X Aᵀ)·Pᵀ for a zero-valued probe P: the primal is x·K (no [*, d] product with zeros).
+
+    Its JVP is δy = δx·K + x·δK + (X Aᵀ)·δPᵀ, with symbolic-zero tangents skipped: the probe's JVP forms only
+    the products its tangent needs.
+    """
+    del a, probe  # the probe is the zero receiver attach_sketch_probes creates: it adds nothing to the primal
+    return jnp.einsum("...k,kd->...d", x, kernel.astype(x.dtype))
+
+
+def _tangent_linear_jvp(primals, tangents):
+    x, kernel, a, probe = primals
+    dx, dkernel, _, dprobe = tangents
+    y = _tangent_linear(x, kernel, a, probe)
+    terms = []
+    if not isinstance(dx, SymbolicZero):
+        terms.append(jnp.einsum("...k,kd->...d", dx.astype(x.dtype), kernel.astype(x.dtype)))
+    if not isinstance(dkernel, SymbolicZero):
+        terms.append(jnp.einsum("...k,kd->...d", x, dkernel.astype(x.dtype)))
+    if not isinstance(dprobe, SymbolicZero):
         p = jnp.einsum("...k,rk->...r", x, a.astype(x.dtype))
-        return y + jnp.einsum("...r,dr->...d", p, probe.astype(x.dtype))
+        terms.append(jnp.einsum("...r,dr->...d", p, dprobe.astype(x.dtype)))
+    return y, sum(terms[1:], terms[0]) if terms else jnp.zeros_like(y)
+
+
+_tangent_linear.defjvp(_tangent_linear_jvp, symbolic_zeros=True)
 
 
 def _module_at(model: nnx.Module, path: str) -> nnx.Module:
