@@ -11,21 +11,25 @@ Run (1.5B, 4 training devices):
   python -m logra_jax.main --config=configs/paper_qwen2.5_math.py:1.5b --workdir=runs/qwen1.5b \
     --config.model.checkpoint=/path/to/Qwen2.5-Math-1.5B \
     --config.task.jsonl_train=/path/to/dapo_math_7.5k.jsonl --config.task.jsonl_eval=/path/to/math500.jsonl
-7B: same with `:7b`. Argument "runlocal" after the size (e.g. `:1.5b,runlocal`) shrinks batch and lengths for a
-quick smoke run of the same recipe.
+7B: same with `:7b`; `:27b` is the paper's 27B-class run on the `dense-27b` preset's shapes (Gemma-3-27B widths in
+the Llama layout; random weights unless a checkpoint of those shapes is given). Argument "runlocal" after the size
+(e.g. `:1.5b,runlocal`) shrinks batch and lengths for a quick smoke run of the same recipe.
+The mesh is FSDP over every device (train.mesh_fsdp = -1). Plan the whole job before renting accelerators:
+  python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=v5e:2x4
 """
 
 import ml_collections
 
 from logra_jax.run_config import RunConfig, check_variant
 
-VARIANTS = ("1.5b", "7b", "1.5b,runlocal", "7b,runlocal")
+VARIANTS = ("1.5b", "7b", "27b", "1.5b,runlocal", "7b,runlocal")
+PRESETS = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "27b": "dense-27b"}
 
 
 def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
     size, _, variant = check_variant(__file__, arg, VARIANTS).partition(",")
     c = ml_collections.ConfigDict(RunConfig().to_dict())
-    c.model.update(preset=f"qwen2.5-{size}", checkpoint="", tokenizer="checkpoint",
+    c.model.update(preset=PRESETS[size], checkpoint="", tokenizer="checkpoint",
                    overrides=dict(dtype="bfloat16", remat="full", attention_impl="chunked", max_seq_len=4096))
     c.task.update(kind="jsonl", jsonl_train="", jsonl_eval="", prompt_style="chat", eval_size=500)
     c.rollout.update(prompts_per_step=256, num_samples=1, max_new_tokens=3072, temperature=1.0, workers=0)
@@ -36,7 +40,7 @@ def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
                        sketch_native=True, non_targets="frozen", kl_control=True, kl_budget=2e-4,
                        kl_budget_final=2e-5, kl_schedule_steps=300, alpha_max=3.0, probe_responses=8)
     c.train.update(steps=500, microbatches=64, seed=0, eval_every=50, checkpoint_every=25, keep_checkpoints=3,
-                   mesh_data=1, mesh_fsdp=4, mesh_tensor=1)
+                   mesh_data=1, mesh_fsdp=-1, mesh_tensor=1)
     if variant == "runlocal":
         c.rollout.update(prompts_per_step=8, max_new_tokens=64)
         c.task.eval_size = 16

@@ -409,6 +409,33 @@ def _proc_status_bytes(path: str = "/proc/self/status") -> dict[str, int]:
     return out
 
 
+def live_bytes_per_device() -> dict[Any, int]:
+    """Bytes of every live jax.Array's shards, per local device (what a sharded job keeps where: a whole weight
+    on one device shows as that device's excess).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones(1024, jnp.float32)
+      >>> live_bytes_per_device()[x.devices().pop()] >= 4096
+      True
+    """
+    out = dict.fromkeys(jax.local_devices(), 0)
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def describe_device_balance(phase: str) -> str:
+    """One line on the live arrays per local device after `phase` (the job logs it after each of its phases)."""
+    per = live_bytes_per_device()
+    first = jax.local_devices()[0]
+    fullest = max(per, key=per.get)
+    return (f"live arrays after {phase}: device {first.id} {per[first] / 2**20:.2f} MiB, fullest device "
+            f"{fullest.id} {per[fullest] / 2**20:.2f} MiB, emptiest {min(per.values()) / 2**20:.2f} MiB "
+            f"({len(per)} local devices)")
+
+
 def memory_stats(devices: Sequence[Any] | None = None) -> dict[str, int]:
     """Host RSS (now and peak) and device memory (the most loaded local device), in bytes.
 

@@ -277,11 +277,12 @@ def _start(run: RunConfig, workdir: Path, log: metrics_lib.Logger, resume_step: 
 
 
 def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: StopRequests,
-                resume_step: int | None) -> None:
+                resume_step: int | None) -> bool:
     """Phase "warm start": the SFT steps on the mesh (weights, AdamW moments and batch rows in their shards),
-    or its cached weights. A resumed run repeats it (deterministic) only for the KL penalty's reference."""
+    or its cached weights. A resumed run repeats it (deterministic) only for the KL penalty's reference.
+    Returns whether it ran (or was loaded)."""
     if not run.sft.steps or (resume_step is not None and run.algorithm.kl_beta <= 0):
-        return
+        return False
     again = "" if resume_step is None else " again, for the KL penalty's reference policy"
     log(f"SFT warm start{again}: {run.sft.steps} steps on {len(job.tasks.sft_problems)} easier problems")
     sft_len = job.prompt_len + run.rollout.max_new_tokens
@@ -304,6 +305,7 @@ def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: Stop
     else:
         sft = warm_start()
     log(f"SFT done: loss {sft['sft_loss']:.4f}")
+    return True
 
 
 def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests, reward_fn: RewardFn | None,
@@ -317,6 +319,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     primary = multihost.is_primary()
 
     job = _start(run, workdir, log, resume_step)
+    log(metrics_lib.describe_device_balance("start"))
     mesh, tokenizer, fmt, tasks, prompt_len = job.mesh, job.tokenizer, job.fmt, job.tasks, job.prompt_len
     rollout_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id)
     greedy_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
@@ -324,7 +327,8 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     opened.append(writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
-    _warm_start(run, job, log, stop, resume_step)
+    if _warm_start(run, job, log, stop, resume_step):
+        log(metrics_lib.describe_device_balance("the warm start"))
 
     # Phase "trainer": the optimizer state created in its shards from the (donated) weights; a resumed run
     # restores it into its abstract shapes (nothing materialised first).
@@ -346,6 +350,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
                     abstract_sharded(est_state, jax.tree.map(lambda _: replicated(mesh), est_state)))
         (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
     job.model = None  # its weights are the state's now (donated), or were never read
+    log(metrics_lib.describe_device_balance("the optimizer's init" if resume_step is None else "the restore"))
     n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
     step_fn, batch_shapes, probe_shapes = trainer.step(run, mesh, prompt_len)
     batch_sh = batch_shardings(batch_shapes, mesh)
@@ -467,6 +472,8 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:
             writer.write(step + 1, out)
         progress.update(step + 1, out)
+        if step == start:
+            log(metrics_lib.describe_device_balance("the first RL step"))
         # Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice;
         # the final step and a stop request (SIGTERM / SIGINT) always save when checkpoints are on.
         last = step + 1 == run.train.steps

@@ -1,0 +1,398 @@
+"""The whole job's memory, phase by phase, compile-only for a named target: run it before renting accelerators.
+
+  python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=v5e:2x4
+  python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=cpu:8 --hbm_gib=16
+
+Every phase of `logra_jax.train` is built by the same code the job runs (logra_jax.phases, logra_jax.sft,
+logra_jax.rl.sampler), lowered from abstract sharded inputs (nothing is allocated) and compiled for the target's
+devices (logra_jax.aot: the TPU compiler for v4/v5e/v5p/v6e, XLA:GPU for h100/h200/a100, each in its own venv;
+fake XLA:CPU devices for cpu:N). A phase's per-device bytes are its program's (argument + output + temp − alias,
+`compiled.memory_analysis()`) plus what the job keeps alive beside it and the program does not take:
+  start         the weights created (or read) into their shards
+  warm start    the SFT step: weights, AdamW moments, batch (only with sft.steps > 0)
+  trainer init  the optimizer state created from the donated weights
+  rollout       the colocated engine's generate (its float32 weights, KV cache of prompts_per_step /
+                rollout.prompt_chunks prompts) + the train state and any reference beside it
+  KL reference  the reference policy's log-probs (only with algorithm.kl_beta > 0)
+  train step    the RL step with its KL probe + the engine's weights and any reference
+  policy sync   the engine's merge of the step's low-rank updates + the train state
+  evaluation    greedy decoding of prompts_per_step × num_samples held-out prompts with the trainer's weights
+The largest is named. Exit status 0 when every phase fits the HBM (`--hbm_gib`, default the target's per-device
+HBM), 3 when one does not (naming it and what to change), 2 for bad flags, 1 for other errors. A phase that the
+TPU compiler refuses for memory is reported with the bytes the compiler asked for.
+Not counted: the host (a checkpoint is read one device's shard of one parameter at a time), the rollout
+worker process of rollout.workers = 1 (its own devices), the framework's own reservations on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+GIB = 2**30
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's out-of-HBM reports (XLA:GPU and XLA:CPU compile whatever the size).
+_OOM = (re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm"),
+        re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"))
+
+
+def parse_oom(message: str) -> tuple[int, int] | None:
+    """(required, available) bytes from the TPU compiler's out-of-HBM error, or None if it is not one.
+
+    Example:
+      >>> parse_oom("Ran out of memory in memory space hbm. Used 32.78G of 15.75G hbm. Exceeded hbm capacity")
+      (35197256991, 16911433728)
+    """
+    for pattern in _OOM:
+        found = pattern.search(message)
+        if found:
+            return (round(float(found[1]) * _UNITS[found[2]]), round(float(found[3]) * _UNITS[found[4]]))
+    return None
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard: every device
+    of an evenly sharded leaf holds the same)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass
+class PhaseBytes:
+    """One phase's per-device bytes: its program's (`program`: argument/output/temp/alias/total, or the bytes the
+    TPU compiler asked for when it refused) and what stays alive beside it (`others`)."""
+
+    name: str
+    program: dict[str, int]
+    others: int
+    note: str = ""
+    refused: str = ""  # the compiler's out-of-memory message, when it refused the program
+
+    @property
+    def total(self) -> int:
+        return self.program["total"] + self.others
+
+
+def compiled_bytes(jitted: Any, *args: Any, **kwargs: Any) -> tuple[dict[str, int], str, Any]:
+    """Lower and compile `jitted` from abstract `args`: (its per-device bytes, "", the compiled program) — or, when
+    the TPU compiler refuses it for memory, ({"total": required bytes}, the compiler's message, None)."""
+    try:
+        compiled = jitted.lower(*args, **kwargs).compile()
+        m = compiled.memory_analysis()
+    except Exception as err:  # the compiler's refusal is the measurement
+        oom = parse_oom(str(err))
+        if oom is None:
+            raise
+        return {"total": oom[0]}, next(line for line in str(err).splitlines() if "hbm" in line.lower()), None
+    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
+           "alias": m.alias_size_in_bytes}
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out, "", compiled
+
+
+def planning_config(config: Mapping[str, Any]) -> Any:
+    """The RunConfig to plan: a config whose checkpoint or data files are not given yet (the paper's recipe before
+    downloading) is planned with random weights of its preset and a placeholder task (memory depends on shapes,
+    lengths and batch sizes, not on the data)."""
+    from logra_jax.run_config import RunConfig
+
+    d = json.loads(json.dumps(dict(config.to_dict() if hasattr(config, "to_dict") else config)))
+    if not d["model"].get("checkpoint"):
+        d["model"]["tokenizer"] = "char"
+    if d["task"].get("kind") == "jsonl" and not (d["task"].get("jsonl_train") and d["task"].get("jsonl_eval")):
+        d["task"].update(kind="arithmetic", jsonl_train="", jsonl_eval="")
+    return RunConfig.from_dict(d)
+
+
+def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
+                compiler_options: Mapping[str, Any] | None = None,
+                progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
+    """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
+
+    Args:
+      run: the RunConfig.
+      mesh: the job's mesh (`phases.job_mesh` over `aot.devices(target)`).
+      prompt_len: prompt tokens per sequence (the job measures it from its data; the paper's recipe: 512).
+      compiler_options: XLA options for every compilation (e.g. `sharding.FAST_CPU_COMPILE` for XLA:CPU).
+      progress: called with each phase's name before it compiles.
+    """
+    from logra_jax.builders import build_model
+    from logra_jax.models.decoder import abstract_model, init_model, parameter_shardings
+    from logra_jax.optim import apply_updates
+    from logra_jax.phases import Trainer, reference_logprobs
+    from logra_jax.rl.sampler import generate
+    from logra_jax.sft import sft_step
+    from logra_jax.sharding import abstract_sharded, batch_shardings, param_shardings
+
+    options = None if compiler_options is None else dict(compiler_options)
+    jit = lambda f, **kw: jax.jit(f, compiler_options=options, **kw)
+    model, _ = build_model(run.model, mesh, weights=False)
+    config = model.config
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params_sh = param_shardings(params, mesh)
+    params = abstract_sharded(params, params_sh)
+    rest = abstract_sharded(rest, param_shardings(rest, mesh))
+    phases: list[PhaseBytes] = []
+
+    progress("start")
+    init_sh = param_shardings(nnx.split(abstract_model(config))[1], mesh)
+    program, refused, compiled = compiled_bytes(jit(lambda: nnx.split(init_model(config, run.model.init_seed))[1],
+                                          out_shardings=init_sh))
+    phases.append(PhaseBytes("start", program, 0, "weights created in their shards (a checkpoint: read slice by "
+                             "slice, one device's shard of one parameter on the host)", refused))
+
+    if run.sft.steps:
+        progress("warm start")
+        length = prompt_len + run.rollout.max_new_tokens
+        step, _, batch, sft_state_sh = sft_step(graphdef, params, rest, run.sft, mesh, length)
+        sft_state = jax.eval_shape(lambda p: _sft_state(run, p), params)
+        program, refused, compiled = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), rest,
+                                          abstract_sharded(batch, batch_shardings(batch, mesh)))
+        phases.append(PhaseBytes("warm start", program, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} "
+                                 f"sequences of {length} tokens", refused))
+
+    progress("trainer init")
+    trainer = Trainer.build(run, model, mesh)
+    state = abstract_sharded(trainer.abstract_state, trainer.state_sh)
+    trainer_rest = abstract_sharded(trainer.abstract_rest, trainer.rest_sh)
+    program, refused, compiled = compiled_bytes(trainer.init, params, rest)
+    phases.append(PhaseBytes("trainer init", program, 0, f"{run.optimizer.name} state from the donated weights",
+                             refused))
+
+    ref = params if run.algorithm.kl_beta > 0 else None
+    engine = None
+    if run.rollout.workers == 0:  # the colocated engine's own float32 copy, in the trainer's shardings
+        engine_sh = parameter_shardings(config, mesh)
+        engine = jax.tree_util.tree_map_with_path(
+            lambda k, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=engine_sh[_path(k)]),
+            nnx.split(abstract_model(config))[1])
+    alive = {"state": device_bytes((state, trainer_rest)), "ref": device_bytes(ref) if ref is not None else 0,
+             "engine": device_bytes(engine) if engine is not None else 0}
+    n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    prompts = jax.ShapeDtypeStruct((run.rollout.prompts_per_step, prompt_len), jnp.int32)
+    prompts = abstract_sharded(prompts, batch_shardings(prompts, mesh))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    chunked = f"{run.rollout.prompts_per_step // run.rollout.prompt_chunks} prompts at a time"
+
+    if engine is not None:
+        progress("rollout")
+        sampling = run.rollout.sampling(eos_id=0, pad_id=0)
+        program, refused, compiled = compiled_bytes(generate, nnx.split(abstract_model(config))[0], engine, prompts,
+                                          _mask(prompts), key,
+                                          config=sampling, mesh=mesh)
+        phases.append(PhaseBytes("rollout", program, alive["state"] + alive["ref"],
+                                 f"{n_rows} responses of ≤ {run.rollout.max_new_tokens} tokens, {chunked}; "
+                                 "engine weights + KV cache", refused))
+
+    if ref is not None:
+        progress("KL reference")
+        ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
+        rows = {k: v for k, v in trainer.step(run, mesh, prompt_len)[1].items() if k in ("tokens", "attention_mask")}
+        program, refused, compiled = compiled_bytes(ref_fn, ref, trainer_rest,
+                                          abstract_sharded(rows, batch_shardings(rows, mesh)))
+        phases.append(PhaseBytes("KL reference", program, alive["state"] + alive["engine"],
+                                 "the reference policy's log-probs", refused))
+
+    progress("train step")
+    step_fn, batch, probe = trainer.step(run, mesh, prompt_len)
+    args = (state, trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
+            None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
+    program, refused, compiled = compiled_bytes(step_fn, *args)
+    probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
+    phases.append(PhaseBytes("train step", program, alive["engine"] + alive["ref"],
+                             f"{n_rows} sequences in {run.train.microbatches} microbatches{probe_note}", refused))
+
+    if engine is not None:
+        progress("policy sync")
+        updates = jax.eval_shape(step_fn, *args)[2]
+        updates_sh = None if compiled is None else compiled.output_shardings[2]
+        updates = updates if updates_sh is None else abstract_sharded(updates, updates_sh)
+        engine_tree_sh = jax.tree.map(lambda x: x.sharding, engine)
+        merge = jit(apply_updates, donate_argnums=0, out_shardings=engine_tree_sh)
+        program, refused, compiled = compiled_bytes(merge, engine, _engine_view(updates, engine))
+        phases.append(PhaseBytes("policy sync", program, alive["state"] + alive["ref"],
+                                 "the engine merges the step's low-rank factors", refused))
+
+    progress("evaluation")
+    greedy = run.rollout.sampling(eos_id=0, pad_id=0, greedy=True)
+    eval_prompts = jax.ShapeDtypeStruct((n_rows, prompt_len), jnp.int32)
+    eval_prompts = abstract_sharded(eval_prompts, batch_shardings(eval_prompts, mesh))
+    program, refused, compiled = compiled_bytes(generate, trainer.graphdef, nnx.merge_state(state.params, trainer_rest),
+                                      eval_prompts, _mask(eval_prompts), key, config=greedy, mesh=mesh)
+    phases.append(PhaseBytes("evaluation", program,
+                             device_bytes(state.opt_state) + alive["engine"] + alive["ref"],
+                             f"greedy decoding of {n_rows} held-out prompts, "
+                             f"{n_rows // run.rollout.prompt_chunks} at a time", refused))
+    return phases
+
+
+def job_prompt_length(run: Any, default: int = 512) -> int:
+    """The prompt length the job would use: measured from the task's problems with the model's tokenizer (the
+    task prepared in a temporary directory), or `default` for a JSONL task planned before its files exist."""
+    import tempfile
+
+    from logra_jax.builders import build_model, build_tasks
+    from logra_jax.rl.prompts import PromptFormat, max_prompt_length
+
+    if run.task.kind == "jsonl" and not run.task.jsonl_train:
+        return default
+    _, tokenizer = build_model(run.model, weights=False)
+    fmt = PromptFormat(run.task.prompt_style)
+    with tempfile.TemporaryDirectory() as data:
+        tasks = build_tasks(run.task, run.sft, Path(data))
+        return max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems], tokenizer,
+                                 fmt)
+
+
+def _sft_state(run: Any, params: Any) -> Any:
+    from logra_jax.sft import sft_optimizer
+    from logra_jax.train_step import TrainState
+
+    tx = sft_optimizer(run.sft)
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+
+def _mask(prompts: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(prompts.shape, jnp.bool_, sharding=prompts.sharding)
+
+
+def _path(keypath: Any) -> str:
+    from logra_jax.tree_paths import path_str
+
+    return path_str(keypath)
+
+
+def _engine_view(updates: Any, engine: Any) -> Any:
+    """The step's update tree restricted to the engine's parameters (the trainer's tree may hold more)."""
+    from logra_jax.transport.sync import flat_params
+
+    flat = flat_params(updates)
+    return jax.tree_util.tree_map_with_path(lambda k, _: flat.get(_path(k)), engine)
+
+
+# What to change when a phase does not fit.
+ADVICE = {
+    "start": "more devices (train.mesh_fsdp), or tensor parallelism (train.mesh_tensor)",
+    "warm start": "a smaller sft.batch_size, sft.steps = 0 (a checkpoint that already answers in format), or more "
+                  "devices",
+    "trainer init": "more devices, or a leaner optimizer (LoGRA instead of AdamW)",
+    "rollout": "a larger rollout.prompt_chunks (the KV cache holds prompts_per_step / prompt_chunks prompts), "
+               "rollout.workers = 1 on other devices, or more devices",
+    "KL reference": "more devices, or algorithm.kl_beta = 0",
+    "train step": "more train.microbatches (activations per microbatch), fewer optimizer.probe_responses, or more "
+                  "devices",
+    "policy sync": "more devices",
+    "evaluation": "a larger rollout.prompt_chunks, or more devices",
+}
+
+
+def report(phases: list[PhaseBytes], hbm: int) -> tuple[str, int]:
+    """(the table as text, exit status: 0 every phase fits `hbm` bytes, 3 one does not)."""
+    lines = [f"{'phase':13s} {'program':>9s} {'beside it':>10s} {'total':>9s}  (GiB per device; HBM "
+             f"{hbm / GIB:.2f})"]
+    for p in phases:
+        flag = "" if p.total <= hbm else "  DOES NOT FIT"
+        refused = f" [compiler: {p.refused.strip()}]" if p.refused else ""
+        lines.append(f"{p.name:13s} {p.program['total'] / GIB:9.2f} {p.others / GIB:10.2f} {p.total / GIB:9.2f}"
+                     f"{flag}  {p.note}{refused}")
+    peak = max(phases, key=lambda p: p.total)
+    lines.append(f"largest: {peak.name} ({peak.total / GIB:.2f} GiB per device)")
+    over = [p for p in phases if p.total > hbm]
+    for p in over:
+        lines.append(f"{p.name} needs {p.total / GIB:.2f} GiB > {hbm / GIB:.2f}: {ADVICE[p.name]}")
+    lines.append("every phase fits" if not over else f"{len(over)} phase(s) do not fit")
+    return "\n".join(lines), 3 if over else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m logra_jax.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="configs/<name>.py[:variant]")
+    parser.add_argument("--target", required=True, help="v5e:2x4, v5p:2x2x1, v6e:2x4, v4:2x2x1, h100:8, ..., cpu:8")
+    parser.add_argument("--hbm_gib", type=float, default=None,
+                        help="per-device memory to fit (default: the target's HBM; needed for cpu:N)")
+    parser.add_argument("--prompt_len", type=int, default=None,
+                        help="prompt tokens per sequence (default: measured from the task's problems as the job "
+                             "does; 512 for a JSONL task whose files are not given)")
+    parser.add_argument("--json", default="", help="also write the phases as JSON to this file")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a config field, e.g. --set rollout.prompt_chunks=4 (repeatable)")
+    args = parser.parse_args(argv)
+    from logra_jax import aot
+
+    try:
+        info = aot.target_info(args.target)
+    except ValueError as e:
+        parser.error(str(e))
+    hbm = info.hbm_bytes if args.hbm_gib is None else int(args.hbm_gib * GIB)
+    if hbm is None:
+        parser.error(f"--target={args.target} has no HBM size of its own: pass --hbm_gib")
+    if info.platform == "cpu" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={info.num_devices}").strip()
+    config = _load_config(args.config, args.set, parser)
+    from logra_jax.phases import job_mesh
+    from logra_jax.sharding import FAST_CPU_COMPILE
+
+    run = planning_config(config)
+    mesh = job_mesh(run.train, aot.devices(args.target))
+    prompt_len = args.prompt_len or job_prompt_length(run)
+    print(f"plan: {args.config} on {args.target} ({info.device_kind}, mesh data×fsdp×tensor "
+          f"{'×'.join(map(str, mesh.devices.shape))}; {run.model.checkpoint or run.model.preset}, "
+          f"{run.optimizer.name}; jax {jax.__version__})", flush=True)
+    phases = plan_phases(run, mesh, prompt_len,
+                         compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None,
+                         progress=lambda name: print(f"  compiling {name} ...", flush=True))
+    text, status = report(phases, hbm)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": args.config, "target": args.target, "hbm_bytes": hbm, "jax": jax.__version__,
+            "mesh": list(mesh.devices.shape), "prompt_len": prompt_len,
+            "phases": [{**dataclasses.asdict(p), "total": p.total} for p in phases]}, indent=1))
+    return status
+
+
+def _load_config(spec: str, overrides: list[str], parser: Any) -> Any:
+    """The ConfigDict of `configs/x.py[:variant]` with `--set` overrides (values parsed as Python literals)."""
+    import ast
+    import runpy
+
+    path, _, variant = spec.partition(":")
+    if not Path(path).is_file():
+        parser.error(f"--config={spec}: no such file {path}")
+    get_config = runpy.run_path(path)["get_config"]
+    config = get_config(variant) if variant else get_config()
+    for item in overrides:
+        field, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value
+        section, _, name = field.partition(".")
+        if section not in config or name not in config[section]:
+            parser.error(f"--set {item!r}: config has no field {field}")
+        config[section][name] = parsed
+    return config
+
+
+if __name__ == "__main__":
+    sys.exit(main())
