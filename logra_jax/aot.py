@@ -130,6 +130,25 @@ class TargetInfo:
     sources: tuple[str, ...]
 
 
+# TPU topologies of 4 and 8 devices (v4: 2 devices per chip); GPUs and CPUs are simply "<chip>:<count>".
+_TPU_TOPOLOGIES = {("v4", 8): "2x2x1", ("v5e", 4): "2x2", ("v5e", 8): "2x4", ("v5p", 4): "2x2x1",
+                   ("v5p", 8): "2x2x2", ("v6e", 4): "2x2", ("v6e", 8): "2x4"}
+
+
+def target_for(chip: str, num_devices: int) -> str:
+    """The target of `num_devices` devices of `chip`, e.g. ("v5e", 4) → "v5e:2x2", ("h100", 4) → "h100:4".
+
+    Raises:
+      ValueError: an unknown chip, or a TPU device count with no topology listed here.
+    """
+    if chip == "cpu" or (chip in _CHIPS and _CHIPS[chip].platform == "gpu"):
+        return f"{chip}:{num_devices}"
+    if (chip, num_devices) not in _TPU_TOPOLOGIES:
+        raise ValueError(f"target_for: no topology of {num_devices} devices for chip {chip!r}; known: "
+                         f"{sorted(_TPU_TOPOLOGIES)}")
+    return f"{chip}:{_TPU_TOPOLOGIES[chip, num_devices]}"
+
+
 def _split(target: str) -> tuple[str, str]:
     chip, sep, topology = str(target).partition(":")
     if not sep or not topology or (chip not in _CHIPS and chip != "cpu"):
@@ -244,6 +263,7 @@ def devices(target: str) -> list[jax.Device]:
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", _ACCELERATOR_TYPE[info.chip].format(
             cores=info.num_devices * 2 // _CHIPS[info.chip].devices_per_chip, chips=info.num_devices))
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only processes share no chip
         found = topologies.get_topology_desc(topology_name=target, platform="tpu").devices
     else:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver or GPU to check here

@@ -29,8 +29,12 @@ from logra_jax.train_step import TrainState, make_train_step, step_shardings
 
 def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]], abstract_batch: Any,
                 mesh: jax.sharding.Mesh, rules: shd.LogicalRules = shd.DEFAULT_RULES, *,
-                compiler_options: Mapping[str, Any] | None = None) -> dict[str, int]:
+                compiler_options: Mapping[str, Any] | None = None, with_cost: bool = False) -> dict[str, int]:
     """Per-device bytes of one sharded train step, compile-only: nothing is allocated.
+
+    The mesh may hold compile-only TPU or GPU devices (`logra_jax.aot.mesh`): then that chip's compiler plans the
+    step (and the Pallas kernels are chosen for it), and a step that does not fit its memory raises the
+    compiler's error.
 
     The state and `rest` get `logra_jax.train_step.step_shardings` (parameters by their logical axes; optimizer
     state and sketch probes follow their kernels, LoGRA's by the targets' declared dims), the batch
@@ -43,10 +47,13 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       init_fn: () -> (TrainState, rest); only traced (`jax.eval_shape`).
       abstract_batch: the global batch as ShapeDtypeStructs.
       mesh, rules: the mesh and logical rules the step is sharded with.
-      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`).
+      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`; XLA:CPU options are dropped
+        when the mesh is not CPU).
+      with_cost: also return the compiler's cost analysis of the step, per device: "flops" and
+        "bytes_accessed" (None where the compiler gives none, e.g. XLA:GPU).
 
     Returns:
-      {"argument", "output", "temp", "alias", "total"} in bytes per device.
+      {"argument", "output", "temp", "alias", "total"} in bytes per device (and the cost entries).
 
     Example:
       >>> from collections import namedtuple
@@ -58,6 +65,8 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       >>> mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"], mem["argument"] >= 1024
       (True, True)
     """
+    if compiler_options is shd.FAST_CPU_COMPILE and mesh.devices.flat[0].platform != "cpu":
+        compiler_options = None
     abstract_state, abstract_rest = jax.eval_shape(init_fn)
     state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh, rules)
     batch_sh = shd.batch_shardings(abstract_batch, mesh, rules)
@@ -65,10 +74,16 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
                                 out_shardings=(state_sh, shd.replicated(mesh)), compiler_options=compiler_options)
     args = (shd.abstract_sharded(abstract_state, state_sh), shd.abstract_sharded(abstract_rest, rest_sh),
             shd.abstract_sharded(abstract_batch, batch_sh))
-    m = jitted.lower(*args).compile().memory_analysis()
+    compiled = jitted.lower(*args).compile()
+    m = compiled.memory_analysis()
     out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
            "alias": m.alias_size_in_bytes}
     out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    if with_cost:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        out["flops"] = None if not cost or "flops" not in cost else int(cost["flops"])
+        out["bytes_accessed"] = None if not cost or "bytes accessed" not in cost else int(cost["bytes accessed"])
     return out
 
 
@@ -137,7 +152,8 @@ def build_rl_step(config: ModelConfig, optimizer: OptimizerSection, data_paralle
 
 def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.sharding.Mesh, *,
                    seq_len: int = 4096, prompt_len: int = 512, rows_per_device: int = 1, logprob_chunk: int = 512,
-                   compiler_options: Mapping[str, Any] | None = shd.FAST_CPU_COMPILE) -> dict[str, int]:
+                   compiler_options: Mapping[str, Any] | None = shd.FAST_CPU_COMPILE,
+                   with_cost: bool = False) -> dict[str, int]:
     """Per-device bytes of one train step of `optimizer` on `config` over `mesh`.
 
     Args:
@@ -150,10 +166,11 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
         With optimizer.kl_control the step also probes the predicted KL on `optimizer.probe_responses`
         sequences (rounded up to a multiple of the mesh size).
       compiler_options: XLA options (default: cheap CPU code generation; buffer assignment is unaffected).
+      with_cost: also return the compiler's per-device "flops" and "bytes_accessed" (`step_memory`).
 
     Returns:
       {"argument", "output", "temp", "alias", "total"} in bytes per device.
     """
     init, step, batch = build_rl_step(config, optimizer, mesh.size, seq_len=seq_len, prompt_len=prompt_len,
                                       rows_per_device=rows_per_device, logprob_chunk=logprob_chunk)
-    return step_memory(step, init, batch, mesh, compiler_options=compiler_options)
+    return step_memory(step, init, batch, mesh, compiler_options=compiler_options, with_cost=with_cost)

@@ -7,6 +7,13 @@ XLA's memory analysis gives per-device bytes = arguments + outputs + temporaries
 
   python experiments/memory/run.py          # all models × meshes × optimizers → results.json, memory.png, table
 
+With --target the same steps are compiled by a real accelerator compiler for compile-only devices
+(logra_jax.aot), each optimizer with implementation="xla" and, for LoGRA, "pallas"; a step that does not fit is
+kept with the bytes the compiler says it needs:
+  JAX_PLATFORMS=cpu .venv-tpu/bin/python experiments/memory/run.py --target v5e --models Qwen2.5-Math-7B --devices 4
+  JAX_PLATFORMS=cpu .venv-cuda/bin/python experiments/memory/run.py --target h100 --devices 4
+  .venv/bin/python experiments/memory/run.py --tables    # README tables and targets.png from targets/*.json
+
 Optimizers (one step of each, the training loop's own step and RL objective: REINFORCE + TIS on the response
 tokens, log-probs in chunks; built by logra_jax.optimizers from run-config sections, measured by
 logra_jax.memory_analysis.rl_step_memory):
@@ -35,11 +42,14 @@ import concurrent.futures
 import dataclasses
 import json
 import multiprocessing
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 
+from logra_jax import aot
 from logra_jax import sharding as shd
 from logra_jax.memory_analysis import contender_sections, paper_numerics, rl_step_memory
 
@@ -77,6 +87,56 @@ def measure(model: str, devices: int, optimizer: str, fast: bool, tensor: int = 
     print(f"{cell_key(model, devices, tensor)} {optimizer:20s} {mem['total'] / GIB:7.2f} GiB  ({parts}) "
           f"{time.perf_counter() - start:.1f}s", flush=True)
     return mem
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's two out-of-HBM reports; XLA:GPU compiles whatever the size (compared with the HBM below instead).
+_OOM = (re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm"),
+        re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"))
+
+
+def parse_oom(message: str) -> tuple[int, int] | None:
+    """(required, available) bytes from the TPU compiler's out-of-HBM error, or None if it is not one.
+
+    Example:
+      >>> parse_oom("Ran out of memory in memory space hbm. Used 32.78G of 15.75G hbm. Exceeded hbm capacity")
+      (35196174663, 16911433728)
+    """
+    for pattern in _OOM:
+        found = pattern.search(message)
+        if found:
+            return (round(float(found[1]) * _UNITS[found[2]]), round(float(found[3]) * _UNITS[found[4]]))
+    return None
+
+
+def measure_target(model: str, devices: int, optimizer: str, target: str, implementation: str,
+                   tensor: int = 1) -> dict[str, Any]:
+    """One cell compiled for `devices` compile-only devices of chip `target`: bytes, cost and whether it fits."""
+    start = time.perf_counter()
+    name = aot.target_for(target, devices)
+    info = aot.target_info(name)
+    mesh = aot.mesh(name, shd.MeshConfig(fsdp=-1, tensor=tensor))
+    section = dataclasses.replace(OPTIMIZER_SECTIONS[optimizer], implementation=implementation)
+    if section.kl_control:
+        section = dataclasses.replace(section, probe_responses=PROBES_PER_DEVICE * devices)
+    out: dict[str, Any] = {"target": name, "device_kind": mesh.devices.flat[0].device_kind,
+                           "hbm_bytes": info.hbm_bytes}
+    try:
+        out.update(rl_step_memory(paper_numerics(MODELS[model], SEQ_LEN), section, mesh, seq_len=SEQ_LEN,
+                                  prompt_len=PROMPT_LEN, logprob_chunk=LOGPROB_CHUNK, with_cost=True))
+        # the TPU compiler refuses a step that does not fit its HBM; XLA:GPU does not, so compare
+        out["fits"] = info.platform == "tpu" or out["total"] <= info.hbm_bytes
+    except Exception as err:  # the compiler's refusal is the result
+        oom = parse_oom(str(err))
+        if oom is None:
+            raise
+        out.update(fits=False, required=oom[0], available=oom[1],
+                   message=next(line for line in str(err).splitlines() if "hbm" in line.lower() or "HBM" in line))
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    size = out.get("total", out.get("required"))
+    print(f"{name} {cell_key(model, devices, tensor)} {optimizer:22s} {implementation:6s} {size / GIB:7.2f} GiB "
+          f"{'fits' if out['fits'] else 'DOES NOT FIT'} {out['seconds']:.0f}s", flush=True)
+    return out
 
 
 def cell_key(model: str, devices: int, tensor: int) -> str:
@@ -138,7 +198,20 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="compiles in parallel (worker processes)")
     parser.add_argument("--full-llvm-optimization", action="store_true",
                         help="compile with XLA's default CPU code generation (slower; same buffer assignment)")
+    parser.add_argument("--target", default="cpu",
+                        help="chip compiled for: cpu (fake CPU devices) or one of " + ", ".join(
+                            t.split(":")[0] for t in aot.TARGETS if not t.startswith("cpu")))
+    parser.add_argument("--implementations", nargs="*", default=["xla", "pallas"], choices=["xla", "pallas"],
+                        help="with --target: LoGRA's kernels (the other optimizers have none: xla only)")
+    parser.add_argument("--tables", action="store_true", help="print the tables of targets/*.json, plot them")
     args = parser.parse_args()
+    if args.tables:
+        print(target_tables(args.out / "targets"))
+        plot_targets(args.out / "targets", args.out / "targets.png")
+        return
+    if args.target != "cpu":
+        run_target(args)
+        return
     cells = [(m, n, o) for m in args.models for n in args.devices for o in args.optimizers]
     start = time.perf_counter()
     fast = not args.full_llvm_optimization
@@ -156,6 +229,104 @@ def main() -> None:
     plot(results, args.out / "memory.png")
     print(f"\nPer-device GiB (fraction of dense AdamW), {time.perf_counter() - start:.0f} s:\n")
     print(table(results))
+
+
+def run_target(args: argparse.Namespace) -> None:
+    """The cells for one chip, merged into targets/<chip>.json as each finishes (runs add up)."""
+    cells = [(m, n, o, impl) for m in args.models for n in args.devices for o in args.optimizers
+             for impl in args.implementations if impl == "xla" or OPTIMIZER_SECTIONS[o].name == "logra"]
+    path = args.out / "targets" / f"{args.target}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(measure_target, m, n, o, args.target, impl, args.tensor): (m, n, o, impl)
+                   for m, n, o, impl in cells}
+        for future in concurrent.futures.as_completed(futures):
+            model, n, opt, impl = futures[future]
+            try:
+                cell = future.result()
+            except Exception as err:  # reported in the file, not dropped
+                cell = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+                print(f"{args.target} {cell_key(model, n, args.tensor)} {opt} {impl}: {cell['error']}", flush=True)
+            report = json.loads(path.read_text()) if path.exists() else {"target": args.target, "cells": {}}
+            report["jax"] = jax.__version__
+            report["cells"].setdefault(cell_key(model, n, args.tensor), {}).setdefault(opt, {})[impl] = cell
+            path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{len(cells)} cells in {time.perf_counter() - start:.0f} s → {path}")
+
+
+def _target_reports(folder: Path) -> list[dict[str, Any]]:
+    order = {t.split(":")[0]: i for i, t in enumerate(aot.TARGETS)}
+    return sorted((json.loads(p.read_text()) for p in folder.glob("*.json")),
+                  key=lambda rep: order.get(rep["target"], 99))
+
+
+def _cell_text(cell: dict[str, Any] | None, base: dict[str, Any] | None) -> str:
+    if not cell:
+        return "–"
+    if "error" in cell:
+        return "error"
+    if not cell["fits"] and "required" in cell:
+        return f"**OOM** {cell['required'] / GIB:.2f}"
+    text = f"{cell['total'] / GIB:.2f}" + ("" if cell["fits"] else " **> HBM**")
+    if base and "total" in base and cell is not base:
+        text += f" ({cell['total'] / base['total']:.0%})"
+    return text
+
+
+def target_tables(folder: Path) -> str:
+    """Markdown per chip: GiB per device (xla; pallas for LoGRA), OOM with the compiler's required bytes."""
+    out = []
+    for rep in _target_reports(folder):
+        columns = [(o, impl) for o in OPTIMIZERS for impl in ("xla", "pallas")
+                   if any(impl in row.get(o, {}) for row in rep["cells"].values())]
+        hbm = next((c.get("hbm_bytes") for row in rep["cells"].values() for o in row.values() for c in o.values()
+                    if c.get("hbm_bytes")), None)
+        kind = next((c.get("device_kind") for row in rep["cells"].values() for o in row.values() for c in o.values()
+                     if c.get("device_kind")), "")
+        out.append(f"**{rep['target']}** ({kind}, {hbm / GIB:.0f} GiB HBM per device; jax {rep.get('jax')})\n")
+        out.append("| model @ devices | " + " | ".join(o + (" (pallas)" if impl == "pallas" else "")
+                                                    for o, impl in columns) + " |")
+        out.append("|---" * (len(columns) + 1) + "|")
+        for key, row in rep["cells"].items():
+            base = row.get("adamw", {}).get("xla")
+            out.append(f"| {key} | " + " | ".join(_cell_text(row.get(o, {}).get(impl), base) for o, impl in columns)
+                       + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_targets(folder: Path, path: Path) -> None:
+    """One panel per model @ devices: GiB per device by optimizer, a bar per chip (hatched: does not fit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = _target_reports(folder)
+    keys = list(dict.fromkeys(k for rep in reports for k in rep["cells"]))
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        opts = [o for o in OPTIMIZERS if any(o in rep["cells"].get(key, {}) for rep in reports)]
+        width = 0.8 / max(1, len(reports))
+        for i, rep in enumerate(reports):
+            row = rep["cells"].get(key, {})
+            xs = [j + (i - (len(reports) - 1) / 2) * width for j in range(len(opts))]
+            cells = [row.get(o, {}).get("xla", {}) for o in opts]
+            ys = [c.get("total", c.get("required", 0)) / GIB for c in cells]
+            bars = ax.bar(xs, ys, width, label=rep["target"])
+            for bar, c in zip(bars, cells):
+                if c and not c.get("fits", True):
+                    bar.set_hatch("//")
+        ax.set_xticks(range(len(opts)), opts, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{key}: per-device GiB by the real compilers (hatched: does not fit)", fontsize=9)
+        ax.set_ylabel("GiB per device")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
