@@ -12,8 +12,8 @@ every contender at one step size (the parity sweep's best for the no-momentum ru
 (all contenders of seed 0, then of seed 1, ...) so that an interrupted study still holds paired seeds.
 
 Run:  nice -n 10 python -m experiments.momentum.run [--seeds 0 1] [--jobs 1] [--contenders ...] [--report]
-Writes experiments/momentum/demo/{results.json,results.md,curves.png}; runs in demo/runs/ (git-ignored; finished
-runs are reused, so a re-invocation only adds what is missing).
+Writes experiments/momentum/demo/results_seeds<seeds>.{json,md} and curves_seeds<seeds>.png; runs in demo/runs/
+(git-ignored; finished runs are reused, so a re-invocation only adds what is missing).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.parity.run import task_config, variant
-from experiments.sweep import merged, plot_curves, run_dir, run_sweep
+from experiments.sweep import merged, run_dir, run_sweep
 
 HERE = Path(__file__).parent
 RATIO = 3e-3  # logra-layer's best in experiments/parity (demo, 5 seeds)
@@ -94,14 +94,15 @@ def main() -> None:
     else:
         for seed in args.seeds:  # seed by seed, so an interrupted study still holds paired seeds
             run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"seed{seed}_last")
-    results = run_sweep(base, variants, args.seeds, out, jobs=args.jobs, step_memory=False,
-                        title="demo task: LoGRA with a sketch-space momentum and held projections")
+    tag = "seeds" + "".join(map(str, args.seeds))
+    title = f"demo task, seeds {', '.join(map(str, args.seeds))}: LoGRA with momentum / held projections"
+    results = run_sweep(base, variants, args.seeds, out, jobs=args.jobs, step_memory=False, title=title,
+                        name=f"results_{tag}")
     results["command"] = "nice -n 10 python -m experiments.momentum.run " + " ".join(
         ["--seeds", *map(str, args.seeds), "--jobs", str(args.jobs)])
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot_curves(out, variants, args.seeds, "demo task: LoGRA with momentum / held projections", filename="curves.png")
+    (out / f"results_{tag}.json").write_text(json.dumps(results, indent=1) + "\n")
     text = results_table(results, args.seeds)
-    (out / "results.md").write_text(text + "\n")
+    (out / f"results_{tag}.md").write_text(text + "\n")
     print(text)
 
 
