@@ -12,6 +12,7 @@ so a line cut short by a killed process is ignored by `read_metrics` and dropped
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -427,7 +428,9 @@ def live_bytes_per_device() -> dict[Any, int]:
 
 
 def describe_device_balance(phase: str) -> str:
-    """One line on the live arrays per local device after `phase` (the job logs it after each of its phases)."""
+    """One line on the live arrays per local device after `phase` (the job logs it after each of its phases;
+    garbage awaiting the cycle collector is collected first, so that only arrays the job holds are counted)."""
+    gc.collect()
     per = live_bytes_per_device()
     first = jax.local_devices()[0]
     fullest = max(per, key=per.get)

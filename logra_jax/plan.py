@@ -32,7 +32,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,11 @@ def parse_oom(message: str) -> tuple[int, int] | None:
 
 def device_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard: every device
-    of an evenly sharded leaf holds the same)."""
+    of an evenly sharded leaf holds the same); leaves that are not arrays are skipped."""
     total = 0
     for x in jax.tree.leaves(tree):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):  # a static argument (graph definition, config)
+            continue
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
     return total
@@ -89,7 +91,8 @@ class PhaseBytes:
 
 def compiled_bytes(jitted: Any, *args: Any, **kwargs: Any) -> tuple[dict[str, int], str, Any]:
     """Lower and compile `jitted` from abstract `args`: (its per-device bytes, "", the compiled program) — or, when
-    the TPU compiler refuses it for memory, ({"total": required bytes}, the compiler's message, None)."""
+    the TPU compiler refuses it for memory, ({"total": required bytes}, the compiler's message, None); where the
+    compiler reports only the temporaries it needs, the arguments' bytes are added."""
     try:
         compiled = jitted.lower(*args, **kwargs).compile()
         m = compiled.memory_analysis()
@@ -97,7 +100,9 @@ def compiled_bytes(jitted: Any, *args: Any, **kwargs: Any) -> tuple[dict[str, in
         oom = parse_oom(str(err))
         if oom is None:
             raise
-        return {"total": oom[0]}, next(line for line in str(err).splitlines() if "hbm" in line.lower()), None
+        arguments = device_bytes(args) if "temporaries" in str(err) else 0
+        return ({"temp": oom[0], "argument": arguments, "total": oom[0] + arguments},
+                next(line for line in str(err).splitlines() if "hbm" in line.lower()), None)
     out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
            "alias": m.alias_size_in_bytes}
     out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
@@ -119,7 +124,7 @@ def planning_config(config: Mapping[str, Any]) -> Any:
 
 
 def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
-                compiler_options: Mapping[str, Any] | None = None,
+                compiler_options: Mapping[str, Any] | None = None, only: Collection[str] | None = None,
                 progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
     """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
 
@@ -128,6 +133,7 @@ def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
       mesh: the job's mesh (`phases.job_mesh` over `aot.devices(target)`).
       prompt_len: prompt tokens per sequence (the job measures it from its data; the paper's recipe: 512).
       compiler_options: XLA options for every compilation (e.g. `sharding.FAST_CPU_COMPILE` for XLA:CPU).
+      only: the names of the phases to compile (default all; `PHASES`).
       progress: called with each phase's name before it compiles.
     """
     from logra_jax.builders import build_model
@@ -147,31 +153,34 @@ def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
     params = abstract_sharded(params, params_sh)
     rest = abstract_sharded(rest, param_shardings(rest, mesh))
     phases: list[PhaseBytes] = []
+    wanted = lambda name: only is None or name in only
 
-    progress("start")
-    init_sh = param_shardings(nnx.split(abstract_model(config))[1], mesh)
-    program, refused, compiled = compiled_bytes(jit(lambda: nnx.split(init_model(config, run.model.init_seed))[1],
-                                          out_shardings=init_sh))
-    phases.append(PhaseBytes("start", program, 0, "weights created in their shards (a checkpoint: read slice by "
-                             "slice, one device's shard of one parameter on the host)", refused))
+    if wanted("start"):
+        progress("start")
+        init_sh = param_shardings(nnx.split(abstract_model(config))[1], mesh)
+        program, refused, _ = compiled_bytes(jit(lambda: nnx.split(init_model(config, run.model.init_seed))[1],
+                                                 out_shardings=init_sh))
+        phases.append(PhaseBytes("start", program, 0, "weights created in their shards (a checkpoint: read slice "
+                                 "by slice, one device's shard of one parameter on the host)", refused))
 
-    if run.sft.steps:
+    if run.sft.steps and wanted("warm start"):
         progress("warm start")
         length = prompt_len + run.rollout.max_new_tokens
         step, _, batch, sft_state_sh = sft_step(graphdef, params, rest, run.sft, mesh, length)
         sft_state = jax.eval_shape(lambda p: _sft_state(run, p), params)
-        program, refused, compiled = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), rest,
-                                          abstract_sharded(batch, batch_shardings(batch, mesh)))
+        program, refused, _ = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), rest,
+                                             abstract_sharded(batch, batch_shardings(batch, mesh)))
         phases.append(PhaseBytes("warm start", program, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} "
                                  f"sequences of {length} tokens", refused))
 
-    progress("trainer init")
     trainer = Trainer.build(run, model, mesh)
     state = abstract_sharded(trainer.abstract_state, trainer.state_sh)
     trainer_rest = abstract_sharded(trainer.abstract_rest, trainer.rest_sh)
-    program, refused, compiled = compiled_bytes(trainer.init, params, rest)
-    phases.append(PhaseBytes("trainer init", program, 0, f"{run.optimizer.name} state from the donated weights",
-                             refused))
+    if wanted("trainer init"):
+        progress("trainer init")
+        program, refused, _ = compiled_bytes(trainer.init, params, rest)
+        phases.append(PhaseBytes("trainer init", program, 0, f"{run.optimizer.name} state from the donated "
+                                 "weights", refused))
 
     ref = params if run.algorithm.kl_beta > 0 else None
     engine = None
@@ -188,55 +197,60 @@ def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
     key = jax.eval_shape(lambda: jax.random.key(0))
     chunked = f"{run.rollout.prompts_per_step // run.rollout.prompt_chunks} prompts at a time"
 
-    if engine is not None:
+    if engine is not None and wanted("rollout"):
         progress("rollout")
         sampling = run.rollout.sampling(eos_id=0, pad_id=0)
-        program, refused, compiled = compiled_bytes(generate, nnx.split(abstract_model(config))[0], engine, prompts,
-                                          _mask(prompts), key,
-                                          config=sampling, mesh=mesh)
+        program, refused, _ = compiled_bytes(generate, nnx.split(abstract_model(config))[0], engine, prompts,
+                                             _mask(prompts), key, config=sampling, mesh=mesh)
         phases.append(PhaseBytes("rollout", program, alive["state"] + alive["ref"],
                                  f"{n_rows} responses of ≤ {run.rollout.max_new_tokens} tokens, {chunked}; "
                                  "engine weights + KV cache", refused))
 
-    if ref is not None:
+    if ref is not None and wanted("KL reference"):
         progress("KL reference")
         ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
         rows = {k: v for k, v in trainer.step(run, mesh, prompt_len)[1].items() if k in ("tokens", "attention_mask")}
-        program, refused, compiled = compiled_bytes(ref_fn, ref, trainer_rest,
-                                          abstract_sharded(rows, batch_shardings(rows, mesh)))
+        program, refused, _ = compiled_bytes(ref_fn, ref, trainer_rest,
+                                             abstract_sharded(rows, batch_shardings(rows, mesh)))
         phases.append(PhaseBytes("KL reference", program, alive["state"] + alive["engine"],
                                  "the reference policy's log-probs", refused))
 
-    progress("train step")
-    step_fn, batch, probe = trainer.step(run, mesh, prompt_len)
-    args = (state, trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
-            None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
-    program, refused, compiled = compiled_bytes(step_fn, *args)
-    probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
-    phases.append(PhaseBytes("train step", program, alive["engine"] + alive["ref"],
-                             f"{n_rows} sequences in {run.train.microbatches} microbatches{probe_note}", refused))
+    sync = engine is not None and wanted("policy sync")
+    if wanted("train step") or sync:
+        progress("train step")
+        step_fn, batch, probe = trainer.step(run, mesh, prompt_len)
+        args = (state, trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
+                None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
+        program, refused, compiled = compiled_bytes(step_fn, *args)
+        probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
+        if wanted("train step"):
+            phases.append(PhaseBytes("train step", program, alive["engine"] + alive["ref"],
+                                     f"{n_rows} sequences in {run.train.microbatches} microbatches{probe_note}",
+                                     refused))
 
-    if engine is not None:
+    if sync:
         progress("policy sync")
         updates = jax.eval_shape(step_fn, *args)[2]
         updates_sh = None if compiled is None else compiled.output_shardings[2]
         updates = updates if updates_sh is None else abstract_sharded(updates, updates_sh)
         engine_tree_sh = jax.tree.map(lambda x: x.sharding, engine)
         merge = jit(apply_updates, donate_argnums=0, out_shardings=engine_tree_sh)
-        program, refused, compiled = compiled_bytes(merge, engine, _engine_view(updates, engine))
+        program, refused, _ = compiled_bytes(merge, engine, _engine_view(updates, engine))
         phases.append(PhaseBytes("policy sync", program, alive["state"] + alive["ref"],
                                  "the engine merges the step's low-rank factors", refused))
 
-    progress("evaluation")
-    greedy = run.rollout.sampling(eos_id=0, pad_id=0, greedy=True)
-    eval_prompts = jax.ShapeDtypeStruct((n_rows, prompt_len), jnp.int32)
-    eval_prompts = abstract_sharded(eval_prompts, batch_shardings(eval_prompts, mesh))
-    program, refused, compiled = compiled_bytes(generate, trainer.graphdef, nnx.merge_state(state.params, trainer_rest),
-                                      eval_prompts, _mask(eval_prompts), key, config=greedy, mesh=mesh)
-    phases.append(PhaseBytes("evaluation", program,
-                             device_bytes(state.opt_state) + alive["engine"] + alive["ref"],
-                             f"greedy decoding of {n_rows} held-out prompts, "
-                             f"{n_rows // run.rollout.prompt_chunks} at a time", refused))
+    if wanted("evaluation"):
+        progress("evaluation")
+        greedy = run.rollout.sampling(eos_id=0, pad_id=0, greedy=True)
+        eval_prompts = jax.ShapeDtypeStruct((n_rows, prompt_len), jnp.int32)
+        eval_prompts = abstract_sharded(eval_prompts, batch_shardings(eval_prompts, mesh))
+        program, refused, _ = compiled_bytes(generate, trainer.graphdef,
+                                             nnx.merge_state(state.params, trainer_rest), eval_prompts,
+                                             _mask(eval_prompts), key, config=greedy, mesh=mesh)
+        phases.append(PhaseBytes("evaluation", program,
+                                 device_bytes(state.opt_state) + alive["engine"] + alive["ref"],
+                                 f"greedy decoding of {n_rows} held-out prompts, "
+                                 f"{n_rows // run.rollout.prompt_chunks} at a time", refused))
     return phases
 
 
@@ -284,6 +298,8 @@ def _engine_view(updates: Any, engine: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda k, _: flat.get(_path(k)), engine)
 
 
+PHASES = ("start", "warm start", "trainer init", "rollout", "KL reference", "train step", "policy sync",
+          "evaluation")
 # What to change when a phase does not fit.
 ADVICE = {
     "start": "more devices (train.mesh_fsdp), or tensor parallelism (train.mesh_tensor)",
@@ -330,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt_len", type=int, default=None,
                         help="prompt tokens per sequence (default: measured from the task's problems as the job "
                              "does; 512 for a JSONL task whose files are not given)")
+    parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, metavar="PHASE",
+                        help=f"compile only these phases (default all: {', '.join(PHASES)})")
     parser.add_argument("--json", default="", help="also write the phases as JSON to this file")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a config field, e.g. --set rollout.prompt_chunks=4 (repeatable)")
@@ -357,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'×'.join(map(str, mesh.devices.shape))}; {run.model.checkpoint or run.model.preset}, "
           f"{run.optimizer.name}; jax {jax.__version__})", flush=True)
     phases = plan_phases(run, mesh, prompt_len,
-                         compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None,
+                         compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None, only=args.phases,
                          progress=lambda name: print(f"  compiling {name} ...", flush=True))
     text, status = report(phases, hbm)
     print(text)
