@@ -91,6 +91,7 @@ class Instruction:
     operands: tuple[str, ...]
     upcast: bool  # an f32 value the compiler made from a bf16 one (XLA:CPU computes bf16 in f32)
     elements: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (dtype, dims) of each array in the result
+    from_weight: bool = False  # made from a parameter of the step by copies, casts, layout changes or gathers
 
     def element(self, index: str) -> Instruction:
         """The instruction as seen through one top-level tuple index ("{6}" of a loop carry), "{}" for itself."""
@@ -240,6 +241,19 @@ def read_dump(dump_dir: str) -> Dump:
             name, span = line.strip().rsplit(":", 1)
             first, last = span.split("-")
             live[name] = (int(first), int(last))
+    # Values derived from an entry parameter through data movement only (copies, converts, transposes, gathers).
+    entry = {n for n, i in instructions.items() if i.opcode == "parameter" and i.op_name.startswith("state.")}
+    moves = ("copy", "convert", "bitcast", "transpose", "fusion", "all-gather", "reshape")
+    for name, inst in instructions.items():
+        seen, todo, found = 0, list(inst.operands[:1]), False
+        while todo and seen < 6 and not found:
+            source = instructions.get(todo.pop(0))
+            seen += 1
+            if source is not None:
+                found = source.name in entry
+                todo.extend(source.operands[:1] if source.opcode in moves else ())
+        if found and inst.opcode in moves:
+            instructions[name] = dataclasses.replace(inst, from_weight=True)
     return Dump(temp_size, values, live, instructions, parameters)
 
 
@@ -341,6 +355,10 @@ def classify_temp(inst: Instruction, shapes: Shapes) -> str:
     dims = tuple(d for d in inst.dims if d != 1)
     key = tuple(sorted(dims))
     file, function = inst.frame
+    # weights are [in, out] or layer-stacked [L, in, out]; [B, T, D] activations can share a weight's two sizes
+    weight_like = len(inst.dims) == 2 or (len(inst.dims) == 3 and inst.dims[0] == shapes.layers)
+    if not weight_like:
+        key = ()
     if key in shapes.layer_weights:
         return GATHERED  # a whole layer's weight on one device (after the all-gather; f32 if XLA:CPU upcast it)
     if inst.upcast:
@@ -348,12 +366,9 @@ def classify_temp(inst: Instruction, shapes: Shapes) -> str:
     if key in shapes.sketches:
         return SKETCHES
     if key in shapes.shards:
-        # a per-device weight shard in f32 carried by a loop (the backward scan's accumulator) or made by the
-        # gradient / optimizer code is a dense gradient; anything else is a copy (cast, transposed) of a weight
-        carried = inst.opcode in ("parameter", "while", "tuple", "get-tuple-element", "broadcast")
-        if inst.dtype == "f32" and (carried or file in ("train_step.py", "_adam.py", "transform.py")):
-            return GRADIENTS
-        return WEIGHT_COPIES
+        # a per-device weight shard: a copy (cast, transposed) when made from a weight by data movement alone,
+        # else in float32 a dense gradient (or its accumulator: zeros broadcast, loop carries, their copies)
+        return WEIGHT_COPIES if inst.from_weight or inst.dtype != "f32" else GRADIENTS
     if file == "projection.py":
         return PROJECTIONS
     if any(d in shapes.vocab for d in dims):
@@ -440,32 +455,43 @@ def ordered_classes(results: dict[str, dict[str, dict[str, int]]]) -> list[str]:
 
 
 def plot(results: dict[str, dict[str, dict[str, int]]], path: Path) -> None:
-    """Stacked bars, one per (cell, optimizer), one segment per class."""
+    """Stacked bars, one panel per cell and one bar per optimizer, one segment per class (a class's colour;
+    hatched where the KL probe's JVP or the realised KL made it), with the issue's goals as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = [(cell, opt) for cell, row in results.items() for opt in row]
     names = ordered_classes(results)
     cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(2.2 * len(columns) + 5, 6))
-    bottoms = [0.0] * len(columns)
-    for i, name in enumerate(names):
-        ys = [results[c][o].get(name, 0) / GIB for c, o in columns]
-        if max(ys) < 0.01:
-            continue
-        ax.bar(range(len(columns)), ys, 0.6, bottom=bottoms, label=name, color=cmap(i % 20),
-               hatch="//" if name.startswith(PHASES[:2]) else None, edgecolor="white", linewidth=0.3)
-        bottoms = [b + y for b, y in zip(bottoms, ys)]
-    for x, total in enumerate(bottoms):
-        ax.text(x, total + 0.3, f"{total:.2f}", ha="center", fontsize=8)
-    ax.set_xticks(range(len(columns)), [f"{c}\n{o}" for c, o in columns], fontsize=8)
-    ax.set_ylabel("GiB per device at the step's peak (argument + temp + unaliased output)")
-    ax.set_title("Where the bytes go: one RL train step, XLA:CPU buffer assignment, FSDP", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results) + 4, 6), squeeze=False)
+    handles = {}
+    for ax, (cell, row) in zip(axes[0], results.items()):
+        bottoms = [0.0] * len(row)
+        for name in names:
+            ph, _, cls = name.rpartition(": ")
+            ys = [classes.get(name, 0) / GIB for classes in row.values()]
+            if max(ys) < 0.01:
+                continue
+            bars = ax.bar(range(len(row)), ys, 0.6, bottom=bottoms, color=cmap(CLASSES.index(cls) % 20),
+                          hatch="//" if ph else None, edgecolor="white", linewidth=0.3)
+            handles.setdefault(name, bars)
+            bottoms = [b + y for b, y in zip(bottoms, ys)]
+        for x, classes in enumerate(row.values()):
+            total = sum(classes.values()) / GIB
+            ax.text(x, total * 1.01, f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+        if "adamw_targets" in row:
+            goal = 0.30 * sum(row["adamw_targets"].values()) / GIB
+            ax.axhline(goal, color="k", linestyle="--", linewidth=0.8)
+            ax.text(len(row) - 0.6, goal, "0.30 × adamw_targets", ha="right", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(row)), [o.replace(" [", "\n[") for o in row], fontsize=7)
+        ax.set_title(cell, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("GiB per device at the step's peak (argument + temp + unaliased output)")
+    fig.legend(list(handles.values()), list(handles), fontsize=7, loc="center right")
+    fig.suptitle("Where the bytes go: one RL train step, XLA:CPU buffer assignment, FSDP over 4 devices",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.78, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -476,11 +502,21 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="*", default=list(OPTIMIZERS), choices=list(run.OPTIMIZERS))
     parser.add_argument("--show", type=int, default=0, help="print the largest N buffers live at each peak")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--baseline", metavar="JSON:LABEL",
+                        help="also show the cells of an earlier run's breakdown_classes.json (e.g. an older "
+                             "revision's), as '<optimizer> [LABEL]' beside this run's")
     args = parser.parse_args()
     results: dict[str, dict[str, dict[str, int]]] = {}
     for model in args.models:
+        cell = f"{model}@{args.devices}dev"
+        if args.baseline:
+            path, _, label = args.baseline.rpartition(":")
+            earlier = json.loads(Path(path).read_text()).get(cell, {})
+            for opt, classes in earlier.items():
+                if "[" not in opt:
+                    results.setdefault(cell, {})[f"{opt} [{label}]"] = classes
         for opt in args.optimizers:
-            results.setdefault(f"{model}@{args.devices}dev", {})[opt] = measure(model, args.devices, opt, args.show)
+            results.setdefault(cell, {})[opt] = measure(model, args.devices, opt, args.show)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "breakdown_classes.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "breakdown_classes.png")
