@@ -82,6 +82,7 @@ def target_of(devices: Any) -> KernelTarget:
 
 
 _COMPILING_FOR: contextvars.ContextVar[KernelTarget | None] = contextvars.ContextVar("compiling_for", default=None)
+_MESH: contextvars.ContextVar[jax.sharding.Mesh | None] = contextvars.ContextVar("kernel_mesh", default=None)
 
 
 @contextlib.contextmanager
@@ -95,10 +96,36 @@ def compiling_for(devices: Any) -> Iterator[KernelTarget]:
     `jit_train_step` and logra_jax.aot do), or use a fresh function.
     """
     token = _COMPILING_FOR.set(target_of(devices))
+    mesh_token = _MESH.set(devices if isinstance(devices, jax.sharding.Mesh) else None)
     try:
         yield _COMPILING_FOR.get()
     finally:
+        _MESH.reset(mesh_token)
         _COMPILING_FOR.reset(token)
+
+
+def current_mesh() -> jax.sharding.Mesh | None:
+    """The mesh of the innermost `compiling_for(mesh)`; None outside one or when it was given bare devices."""
+    return _MESH.get()
+
+
+def per_device(fn: Any, mesh: jax.sharding.Mesh | None, in_specs: tuple, out_specs: Any) -> Any:
+    """`fn` run on each device's block of `mesh` (`jax.shard_map`), or `fn` itself without a mesh of > 1 device.
+
+    GSPMD cannot partition a Mosaic (TPU) kernel ("Mosaic kernels cannot be automatically partitioned"), and
+    would replicate a Triton one: inside a sharded step every Pallas call runs per device. Specs name the axes
+    with `split` (all mesh axes on one dimension) or `PartitionSpec()` (replicated: the block is gathered).
+    """
+    if mesh is None or mesh.size == 1:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def split(mesh: jax.sharding.Mesh | None, ndim: int, axis: int) -> jax.sharding.PartitionSpec:
+    """A PartitionSpec splitting dimension `axis` of an `ndim`-d array over all of `mesh`'s axes."""
+    spec: list[Any] = [None] * ndim
+    spec[axis] = None if mesh is None else tuple(mesh.axis_names)
+    return jax.sharding.PartitionSpec(*spec)
 
 
 def current_target() -> KernelTarget:

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec
 
 from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
@@ -28,11 +29,14 @@ from logra_jax.kernels.backend import (
     check_block,
     check_implementation,
     compiler_params,
+    current_mesh,
     current_target,
     fit_block,
     num_blocks,
     pallas_target,
+    per_device,
     round_factor,
+    split,
 )
 
 _NT = (((1,), (1,)), ((), ()))  # a · bᵀ
@@ -128,6 +132,14 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
     if factor.shape != (d, r) or ka != k:
         raise ValueError(f"merge: shapes do not chain (kernel [k, d], factor [d, r], a [r, k]): kernel "
                          f"{kernel.shape}, factor {factor.shape}, a {a.shape}")
-    return _merge(kernel, factor, a, round_bf16=bool(round_bf16), implementation=implementation,
-                  interpret=bool(interpret), block_d=block_d, block_k=block_k, target=target,
-                  chip=current_target() if implementation == "pallas" else None)
+    def run(kernel, factor, a):
+        return _merge(kernel, factor, a, round_bf16=bool(round_bf16), implementation=implementation,
+                      interpret=bool(interpret), block_d=block_d, block_k=block_k, target=target,
+                      chip=current_target() if implementation == "pallas" else None)
+
+    # Inside a sharded step the kernel runs per device on a slice of d (each column of K needs only its row of U).
+    mesh = current_mesh() if implementation == "pallas" else None
+    if mesh is not None and d % mesh.size == 0:
+        return per_device(run, mesh, (split(mesh, 2, 1), split(mesh, 2, 0), PartitionSpec()), split(mesh, 2, 1))(
+            kernel, factor, a)
+    return per_device(run, mesh, (PartitionSpec(),) * 3, PartitionSpec())(kernel, factor, a)

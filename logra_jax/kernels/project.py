@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec
 
 from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
@@ -35,10 +36,13 @@ from logra_jax.kernels.backend import (
     check_block,
     check_implementation,
     compiler_params,
+    current_mesh,
     current_target,
     fit_block,
     num_blocks,
     pallas_target,
+    per_device,
+    split,
     zero_outside,
 )
 
@@ -371,16 +375,37 @@ class _PallasConfig:
     block_k: int | None
     target: str  # "tpu" (also interpreted) or "gpu"
     chip: KernelTarget  # the chip compiled for: the TPU kernels' blocks and VMEM limit follow it
+    mesh: jax.sharding.Mesh | None = None  # inside a sharded step: the kernels run per device over token shards
 
     def forward(self, x, kernel, a):
-        if self.target == "gpu":
-            return gpu.fused_forward_gpu(x, kernel, a, interpret=self.interpret, **self._blocks(64))
-        return fused_forward(x, kernel, a, interpret=self.interpret, target=self.chip, **self._blocks(None))
+        def run(x, kernel, a):
+            if self.target == "gpu":
+                return gpu.fused_forward_gpu(x, kernel, a, interpret=self.interpret, **self._blocks(64))
+            return fused_forward(x, kernel, a, interpret=self.interpret, target=self.chip, **self._blocks(None))
+
+        mesh = self._mesh(x)
+        tokens, whole = split(mesh, 2, 0), PartitionSpec()
+        return per_device(run, mesh, (tokens, whole, whole), (tokens, tokens))(x, kernel, a)
 
     def backward(self, h, p, kernel):
-        if self.target == "gpu":
-            return gpu.fused_backward_gpu(h, p, kernel, interpret=self.interpret, **self._blocks(64))
-        return fused_backward(h, p, kernel, interpret=self.interpret, target=self.chip, **self._blocks(None))
+        mesh = self._mesh(h)
+
+        def run(h, p, kernel):
+            if self.target == "gpu":
+                dx, s = gpu.fused_backward_gpu(h, p, kernel, interpret=self.interpret, **self._blocks(64))
+            else:
+                dx, s = fused_backward(h, p, kernel, interpret=self.interpret, target=self.chip,
+                                       **self._blocks(None))
+            return dx, s if mesh is None else jax.lax.psum(s, tuple(mesh.axis_names))  # S sums over all tokens
+
+        tokens, whole = split(mesh, 2, 0), PartitionSpec()
+        return per_device(run, mesh, (tokens, tokens, whole), (tokens, whole))(h, p, kernel)
+
+    def _mesh(self, rows: jax.Array) -> jax.sharding.Mesh | None:
+        """The mesh to run per device on: when there is one of > 1 device and the token rows split evenly."""
+        if self.mesh is None or self.mesh.size == 1 or rows.shape[0] % self.mesh.size:
+            return None
+        return self.mesh
 
     def _blocks(self, default: int | None) -> dict:
         """The given blocks; unset ones are `default` on GPU and left to the TPU kernels' choice (None)."""
@@ -454,5 +479,5 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
     target = pallas_target("sketched_linear", interpret)
     blocks = {name: None if value is None else check_block(name, value, "sketched_linear")
               for name, value in (("block_t", block_t), ("block_d", block_d), ("block_k", block_k))}
-    config = _PallasConfig(bool(interpret), target=target, chip=current_target(), **blocks)
+    config = _PallasConfig(bool(interpret), target=target, chip=current_target(), mesh=current_mesh(), **blocks)
     return _sketched_linear_pallas(x, kernel, a, probe, config)

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec
 
 from logra_jax.kernels import gpu
 from logra_jax.kernels.backend import (
@@ -31,10 +32,12 @@ from logra_jax.kernels.backend import (
     check_block,
     check_implementation,
     compiler_params,
+    current_mesh,
     current_target,
     fit_block,
     num_blocks,
     pallas_target,
+    per_device,
 )
 
 VARIANTS: tuple[str, ...] = ("paper", "nemo")
@@ -202,6 +205,11 @@ def row_moment(s: jax.Array, v: jax.Array, count: jax.Array | int, *, b2: float 
     target = pallas_target("row_moment", interpret) if implementation == "pallas" else None
     if s.ndim != 2 or v.shape != s.shape[:1]:
         raise ValueError(f"row_moment: expected s [d, r] and v [d]; got s {s.shape}, v {v.shape}")
-    return _row_moment(s, v, count, b2=b2, eps=eps, variant=variant, implementation=implementation,
-                       interpret=bool(interpret), block_d=block_d, target=target,
-                       chip=current_target() if implementation == "pallas" else None)
+    def run(s, v):
+        return _row_moment(s, v, count, b2=b2, eps=eps, variant=variant, implementation=implementation,
+                           interpret=bool(interpret), block_d=block_d, target=target,
+                           chip=current_target() if implementation == "pallas" else None)
+
+    # Inside a sharded step the kernels run per device, on the whole S (the paper variant's scale is global).
+    mesh = current_mesh() if implementation == "pallas" else None
+    return per_device(run, mesh, (PartitionSpec(), PartitionSpec()), (PartitionSpec(), PartitionSpec()))(s, v)

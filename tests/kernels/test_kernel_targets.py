@@ -136,3 +136,36 @@ def test_aot_names_the_make_command_when_the_compiler_is_missing():
             aot.devices(target)
     assert aot.devices("cpu:2") == jax.devices("cpu")[:2]
     assert dict(aot.mesh("cpu:4").shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+def test_pallas_runs_per_device_inside_a_sharded_step():
+    """Under compiling_for(mesh) every Pallas call is a shard_map (GSPMD cannot partition Mosaic kernels); the
+    results equal numpy's (interpreted here, on 4 CPU devices, one grid step per call)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from logra_jax.kernels.project import sketched_linear
+    from logra_jax.kernels.row_moment import row_moment
+
+    mesh = aot.mesh("cpu:4")
+    rng = np.random.default_rng(0)
+    x, kernel, a = rng.normal(size=(4, 8, 32)), rng.normal(size=(32, 24)), rng.normal(size=(8, 32))
+    s, v = rng.normal(size=(24, 8)), np.abs(rng.normal(size=24))
+    x_sharded = jax.device_put(jnp.asarray(x), NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+
+    def step(x, kernel, a, s, v):
+        with backend.compiling_for(mesh):
+            loss = lambda probe: jnp.sum(sketched_linear(x, kernel, a, probe, implementation="pallas",
+                                                         interpret=True, block_t=8, block_d=24, block_k=32))
+            sketch = jax.grad(loss)(jnp.zeros((24, 8)))
+            merged = merge(kernel, s, a, implementation="pallas", interpret=True, block_d=24, block_k=32)
+            moments = row_moment(s, v, 2, implementation="pallas", interpret=True, block_d=24)
+        return sketch, merged, moments
+
+    lowered = jax.jit(step).lower(x_sharded, kernel, a, s, v)
+    text = lowered.as_text()
+    assert text.count("sdy.manual_computation") + text.count("SPMDFullToShardShape") >= 3  # one per kernel call
+    sketch, merged, _ = lowered.compile()(x_sharded, kernel, a, s, v)
+    # ∂Σy/∂probe = Hᵀ (X Aᵀ) with H = 1: every row of S is the token sum of P = X Aᵀ
+    p_sum = np.einsum("btk,rk->r", x, a)
+    np.testing.assert_allclose(sketch, np.broadcast_to(p_sum, (24, 8)), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(merged, kernel + a.T @ s.T, rtol=1e-5, atol=1e-5)
