@@ -436,11 +436,17 @@ def table(results: dict[str, dict[str, dict[str, int]]]) -> str:
     names = [c for c in ordered_classes(results)]
     lines = ["| class | " + " | ".join(f"{cell} {opt}" for cell, opt in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
+    small = []
     for name in names:
         cells = [results[c][o].get(name, 0) / GIB for c, o in columns]
+        if max(cells) < 0.005:
+            small.append(name)
+            continue
         lines.append(f"| {name} | " + " | ".join(f"{x:.2f}" if x >= 0.005 else "–" for x in cells) + " |")
     totals = [sum(results[c][o].values()) / GIB for c, o in columns]
     lines.append("| **total** | " + " | ".join(f"**{x:.2f}**" for x in totals) + " |")
+    if small:
+        lines.append(f"\nUnder 0.005 GiB in every column: {', '.join(small)}.")
     return "\n".join(lines)
 
 
@@ -509,13 +515,13 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, int]]] = {}
     for model in args.models:
         cell = f"{model}@{args.devices}dev"
+        earlier, label = {}, ""
         if args.baseline:
             path, _, label = args.baseline.rpartition(":")
             earlier = json.loads(Path(path).read_text()).get(cell, {})
-            for opt, classes in earlier.items():
-                if "[" not in opt:
-                    results.setdefault(cell, {})[f"{opt} [{label}]"] = classes
         for opt in args.optimizers:
+            if opt in earlier:  # the earlier run's bar just before this run's
+                results.setdefault(cell, {})[f"{opt} [{label}]"] = earlier[opt]
             results.setdefault(cell, {})[opt] = measure(model, args.devices, opt, args.show)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "breakdown_classes.json").write_text(json.dumps(results, indent=1) + "\n")
