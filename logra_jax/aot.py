@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -251,6 +252,13 @@ def devices(target: str) -> list[jax.Device]:
             raise ValueError(f"target {target!r} needs {info.num_devices} CPU devices, JAX has {len(cpus)}: set "
                              f"XLA_FLAGS=--xla_force_host_platform_device_count={info.num_devices} before JAX starts")
         return cpus[:info.num_devices]
+    return list(_compile_only_devices(target))
+
+
+@functools.cache
+def _compile_only_devices(target: str) -> tuple[jax.Device, ...]:
+    """One set of device objects per target: traces cached for a mesh of them stay valid for the next mesh."""
+    info = target_info(target)
     module, command, venv = _VENVS[info.platform]
     if not compiler_available(target):
         raise RuntimeError(f"target {target!r} needs the {info.platform.upper()} compiler ({module}), which this "
@@ -272,7 +280,7 @@ def devices(target: str) -> list[jax.Device]:
     if len(found) != info.num_devices or found[0].device_kind != info.device_kind:
         raise RuntimeError(f"target {target!r}: the compiler gave {len(found)} × {found[0].device_kind!r}, expected "
                            f"{info.num_devices} × {info.device_kind!r}")
-    return list(found)
+    return tuple(found)
 
 
 def mesh(target: str, config: shd.MeshConfig | None = None) -> jax.sharding.Mesh:

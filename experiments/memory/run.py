@@ -113,6 +113,7 @@ def measure_target(model: str, devices: int, optimizer: str, target: str, implem
                    tensor: int = 1) -> dict[str, Any]:
     """One cell compiled for `devices` compile-only devices of chip `target`: bytes, cost and whether it fits."""
     start = time.perf_counter()
+    jax.clear_caches()  # a worker's previous cell may have traced kernels for another mesh
     name = aot.target_for(target, devices)
     info = aot.target_info(name)
     mesh = aot.mesh(name, shd.MeshConfig(fsdp=-1, tensor=tensor))
@@ -207,6 +208,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tables:
         print(target_tables(args.out / "targets"))
+        print(cost_table(args.out / "targets"))
         plot_targets(args.out / "targets", args.out / "targets.png")
         return
     if args.target != "cpu":
@@ -294,6 +296,26 @@ def target_tables(folder: Path) -> str:
                        + " |")
         out.append("")
     return "\n".join(out)
+
+
+def cost_table(folder: Path) -> str:
+    """Markdown: the compiler's per-device flops and bytes accessed, roofline time max(F/peak, B/bandwidth)."""
+    lines = ["| target | model @ devices | optimizer | impl | GFLOP | GB accessed | roofline ms | ÷ adamw |",
+             "|---" * 8 + "|"]
+    for rep in _target_reports(folder):
+        for key, row in rep["cells"].items():
+            base = None
+            for opt in OPTIMIZERS:
+                for impl, cell in row.get(opt, {}).items():
+                    if cell.get("flops") is None:
+                        continue
+                    info = aot.target_info(cell["target"])
+                    seconds = max(cell["flops"] / info.peak_bf16_flops, cell["bytes_accessed"] / info.hbm_bandwidth)
+                    base = seconds if (opt, impl) == ("adamw", "xla") else base
+                    ratio = f"{seconds / base:.2f}" if base else "–"
+                    lines.append(f"| {cell['target']} | {key} | {opt} | {impl} | {cell['flops'] / 1e9:.0f} | "
+                                 f"{cell['bytes_accessed'] / 1e9:.1f} | {seconds * 1e3:.2f} | {ratio} |")
+    return "\n".join(lines)
 
 
 def plot_targets(folder: Path, path: Path) -> None:
