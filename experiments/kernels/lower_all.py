@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 
-from logra_jax.kernels import gpu
+from logra_jax.kernels import backend, gpu
 from logra_jax.kernels.merge import merge
 from logra_jax.kernels.project import fused_backward, fused_forward, sketched_linear
 from logra_jax.kernels.row_moment import row_moment
@@ -71,11 +71,10 @@ def _cases() -> dict[str, dict[str, tuple[Any, tuple]]]:
 
 def lower_all() -> list[dict[str, Any]]:
     rows = []
-    real_backend = jax.default_backend
     for platform, cases in _cases().items():
-        # the wrappers pick their kernels (and TPU compiler params) from the default backend
-        jax.default_backend = lambda platform=platform: "gpu" if platform == "cuda" else platform
-        try:
+        # the wrappers pick their kernels (and TPU compiler params) for the platform compiled for
+        target = backend.KernelTarget("gpu" if platform == "cuda" else platform)
+        with backend.compiling_for(target):
             for name, (fn, args) in cases.items():
                 row = {"platform": platform, "kernel": name}
                 try:
@@ -89,9 +88,7 @@ def lower_all() -> list[dict[str, Any]]:
                 rows.append(row)
                 print(f"{platform:>5} {name:>24}  {'ok' if row['ok'] else 'FAILED ' + row.get('error', '')[:150]}",
                       flush=True)
-        finally:
-            jax.default_backend = real_backend
-            jax.clear_caches()
+        jax.clear_caches()
     return rows
 
 
