@@ -99,7 +99,7 @@ def main() -> None:
     results = run_sweep(base, variants, args.seeds, out, jobs=args.jobs, step_memory=False, title=title,
                         name=f"results_{tag}")
     results["command"] = "nice -n 10 python -m experiments.momentum.run " + " ".join(
-        ["--seeds", *map(str, args.seeds), "--jobs", str(args.jobs)])
+        ["--seeds", *map(str, args.seeds), "--jobs", str(args.jobs), *(["--report"] if args.report else [])])
     (out / f"results_{tag}.json").write_text(json.dumps(results, indent=1) + "\n")
     text = results_table(results, args.seeds)
     (out / f"results_{tag}.md").write_text(text + "\n")
