@@ -356,7 +356,7 @@ def classify_temp(inst: Instruction, shapes: Shapes) -> str:
     key = tuple(sorted(dims))
     file, function = inst.frame
     # weights are [in, out] or layer-stacked [L, in, out]; [B, T, D] activations can share a weight's two sizes
-    weight_like = len(inst.dims) == 2 or (len(inst.dims) == 3 and inst.dims[0] == shapes.layers)
+    weight_like = len(inst.dims) == 2 or (len(inst.dims) == 3 and shapes.layers in inst.dims)
     if not weight_like:
         key = ()
     if key in shapes.layer_weights:
@@ -407,10 +407,16 @@ def breakdown(dump: Dump, memory: dict[str, int], shapes: Shapes) -> tuple[dict[
     return dict(classes), rows
 
 
-def measure(model: str, devices: int, optimizer: str, show: int = 0) -> dict[str, int]:
-    """One cell: compile as run.py does, with dumps, and name every byte."""
+def measure(model: str, devices: int, optimizer: str, show: int = 0, target: str = "cpu") -> dict[str, int]:
+    """One cell: compile as run.py does, with dumps, and name every byte (`target`: a compile-only chip of
+    `logra_jax.aot`, e.g. "h100" under .venv-cuda; default the fake CPU devices)."""
     start = time.perf_counter()
-    mesh = shd.make_mesh(shd.MeshConfig(fsdp=-1), jax.devices()[:devices])
+    if target == "cpu":
+        mesh = shd.make_mesh(shd.MeshConfig(fsdp=-1), jax.devices()[:devices])
+    else:
+        from logra_jax import aot
+
+        mesh = aot.mesh(aot.target_for(target, devices), shd.MeshConfig(fsdp=-1))
     section = run.OPTIMIZER_SECTIONS[optimizer]
     if section.kl_control:
         section = dataclasses.replace(section, probe_responses=run.PROBES_PER_DEVICE * devices)
@@ -421,7 +427,7 @@ def measure(model: str, devices: int, optimizer: str, show: int = 0) -> dict[str
                                 logprob_chunk=run.LOGPROB_CHUNK, compiler_options=options)
         dump = read_dump(dump_dir)
     classes, rows = breakdown(dump, memory, model_shapes(config, devices, run.RANK))
-    print(f"{model}@{devices}dev {optimizer}: {memory['total'] / GIB:.2f} GiB per device "
+    print(f"{model}@{devices}dev {optimizer} ({target}): {memory['total'] / GIB:.2f} GiB per device "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
     for size, ph, cls, inst in rows[:show]:
         where = f"{inst.frame[0]}:{inst.frame[1]}" if inst.frame[0] else inst.op_name[-60:]
@@ -460,7 +466,7 @@ def ordered_classes(results: dict[str, dict[str, dict[str, int]]]) -> list[str]:
     return sorted(present, key=rank)
 
 
-def plot(results: dict[str, dict[str, dict[str, int]]], path: Path) -> None:
+def plot(results: dict[str, dict[str, dict[str, int]]], path: Path, compiler: str = "XLA:CPU") -> None:
     """Stacked bars, one panel per cell and one bar per optimizer, one segment per class (a class's colour;
     hatched where the KL probe's JVP or the realised KL made it), with the issue's goals as lines."""
     import matplotlib
@@ -495,8 +501,7 @@ def plot(results: dict[str, dict[str, dict[str, int]]], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("GiB per device at the step's peak (argument + temp + unaliased output)")
     fig.legend(list(handles.values()), list(handles), fontsize=7, loc="center right")
-    fig.suptitle("Where the bytes go: one RL train step, XLA:CPU buffer assignment, FSDP over 4 devices",
-                 fontsize=10)
+    fig.suptitle(f"Where the bytes go: one RL train step, {compiler} buffer assignment, FSDP", fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.78, 1))
     fig.savefig(path, dpi=110)
 
@@ -508,6 +513,8 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="*", default=list(OPTIMIZERS), choices=list(run.OPTIMIZERS))
     parser.add_argument("--show", type=int, default=0, help="print the largest N buffers live at each peak")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--target", default="cpu",
+                        help="a compile-only chip (logra_jax.aot), e.g. h100 under .venv-cuda with JAX_PLATFORMS=cpu")
     parser.add_argument("--baseline", metavar="JSON:LABEL",
                         help="also show the cells of an earlier run's breakdown_classes.json (e.g. an older "
                              "revision's), as '<optimizer> [LABEL]' beside this run's")
@@ -522,10 +529,10 @@ def main() -> None:
         for opt in args.optimizers:
             if opt in earlier:  # the earlier run's bar just before this run's
                 results.setdefault(cell, {})[f"{opt} [{label}]"] = earlier[opt]
-            results.setdefault(cell, {})[opt] = measure(model, args.devices, opt, args.show)
+            results.setdefault(cell, {})[opt] = measure(model, args.devices, opt, args.show, args.target)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "breakdown_classes.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, args.out / "breakdown_classes.png")
+    plot(results, args.out / "breakdown_classes.png", "XLA:CPU" if args.target == "cpu" else args.target)
     print("\nGiB per device at the peak, by class:\n")
     print(table(results))
 
