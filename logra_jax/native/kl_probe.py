@@ -113,13 +113,14 @@ def lowrank_factors(updates: Any) -> dict[str, jax.Array]:
 def probe_passes(rows: int, passes: int | None = None) -> int:
     """How many sequential passes the probe's `rows` are split into: `passes`, or by default (None) one probe
     row per batch shard per pass (`logra_jax.sharding.batch_shards` under the active rules), so a device holds
-    the JVP's activations of one response at a time whatever the number of probe responses.
+    the JVP's activations of one response at a time whatever the number of probe responses (the largest
+    divisor of `rows` up to rows / shards when the shards do not divide the rows).
 
     Raises:
       ValueError: passes < 1, or not a divisor of rows.
     """
     if passes is None:
-        passes = max(1, rows // batch_shards())
+        passes = max(d for d in range(1, max(1, rows // batch_shards()) + 1) if rows % d == 0)
     if passes < 1 or rows % passes:
         raise ValueError(f"probe passes must divide the probe's {rows} rows, got {passes}")
     return passes

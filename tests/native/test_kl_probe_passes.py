@@ -78,6 +78,7 @@ def test_probe_passes_default_follows_the_batch_shards():
     with shd.use_rules(mesh):
         assert shd.batch_shards() == 4
         assert probe_passes(8) == 2 and probe_passes(4) == 1 and probe_passes(8, 4) == 4
+        assert probe_passes(18) == 3  # 18 rows over 4 shards: the largest divisor of 18 up to 4
     with pytest.raises(ValueError, match="divide"):
         probe_passes(8, 3)
 
