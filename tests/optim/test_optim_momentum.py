@@ -113,25 +113,23 @@ def test_logra_with_momentum_matches_numpy_over_five_steps():
 
 
 def test_predicted_kl_sizes_the_step_that_includes_the_momentum():
-    """The controller's probe sees the momentum's direction (after a transfer), and the merged factor is −α times
-    what it saw: the step the prediction is for is the step taken."""
+    """The controller probes the momentum's direction (after a transfer) and scales that same step: with a probe
+    whose q is ‖factor‖², the merged factor is −α times a factor along M with ‖·‖² = q."""
     params = {"q_proj": {"kernel": jnp.asarray(np.random.default_rng(5).normal(size=(16, 6)), jnp.float32)}}
     tx = logra(rank=RANK, update_ratio=1e-2, ratio_scope="layer", momentum=0.9, kl_control={"kl_budget": 1e-4},
                round_bf16=False)
-    state, seen = tx.init(params), []
-
-    def probe(updates):
-        seen.append(updates["q_proj"]["kernel"].factor)
-        return jnp.float32(4e-4), jnp.float32(1.0)
-
+    probe = lambda updates: (jnp.sum(jnp.square(updates["q_proj"]["kernel"].factor)), jnp.float32(1.0))
+    step = jax.jit(lambda g, s: tx.update(g, s, params, kl_probe=probe))
+    state = tx.init(params)
     for t in range(2):  # κ = 1: step 1 transfers the first moment into the new projection
-        grads = jax.tree.map(lambda p, t=t: jnp.sin(p * (t + 2)), params)
-        updates, state = tx.update(grads, state, params, kl_probe=probe)
+        updates, state = step(jax.tree.map(lambda p, t=t: jnp.sin(p * (t + 2)), params), state)
+    u = updates["q_proj"]["kernel"].factor
     m = optax.tree_utils.tree_get(state, "first_moment")["q_proj"]["kernel"]
-    cos = jnp.sum(seen[-1] * m) / (jnp.linalg.norm(seen[-1]) * jnp.linalg.norm(m))
-    assert float(cos) > 1 - 1e-5  # the probed step points along M (not along this step's RowAdam direction)
-    alpha = optax.tree_utils.tree_get(state, "kl_alpha")
-    np.testing.assert_allclose(updates["q_proj"]["kernel"].factor, -alpha * seen[-1], rtol=1e-6)
+    alpha, q = (optax.tree_utils.tree_get(state, name) for name in ("kl_alpha", "kl_q"))
+    cos = jnp.sum(u * m) / (jnp.linalg.norm(u) * jnp.linalg.norm(m))
+    assert float(cos) < -1 + 1e-5  # the merged step points along −M, not along this step's RowAdam direction
+    np.testing.assert_allclose(jnp.linalg.norm(u), alpha * jnp.sqrt(q), rtol=1e-5)
+    assert 0 < float(alpha) < 3
 
 
 def test_transfer_is_the_orthogonal_projection_onto_the_new_subspace():
