@@ -208,8 +208,8 @@ def choose_blocks(vmem: Callable[[int, int, int], int], shape: tuple[int, int, i
 
     Example:
       >>> vmem = lambda bt, bd, bk: bt * bd * bk
-      >>> choose_blocks(vmem, (4096, 4096, 4096), 256 * 256 * 256)
-      (256, 256, 256)
+      >>> choose_blocks(vmem, (4096, 4096, 4096), 256 * 256 * 256)  # block_k halved twice: 256·512·128
+      (256, 512, 128)
     """
     blocks = [fit_block(size, block) for size, block in zip(shape, DEFAULT_BLOCKS)]
     while vmem(*blocks) > budget:
