@@ -310,143 +310,181 @@ def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: Stop
 
 def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests, reward_fn: RewardFn | None,
          ckpt: CheckpointManager, opened: list[Any]) -> dict[str, Any]:
+    """The job's phases in order (`python -m logra_jax.plan` measures the same ones): start, warm start, trainer
+    (init or restore, rollout engine, evaluation), the RL loop, finish."""
     wall_start = time.perf_counter()
     candidates, finished = _resume_plan(run, workdir, ckpt, log)
     multihost.barrier("resume plan")  # every process has read the saved config before process 0 rewrote it
     if finished is not None:
         return finished
     resume_step = candidates[0] if candidates else None
-    primary = multihost.is_primary()
-
     job = _start(run, workdir, log, resume_step)
     log(metrics_lib.describe_device_balance("start"))
-    mesh, tokenizer, fmt, tasks, prompt_len = job.mesh, job.tokenizer, job.fmt, job.tasks, job.prompt_len
-    rollout_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id)
-    greedy_cfg = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
-    writer = metrics_lib.MetricsWriter(workdir) if primary else metrics_lib.NullWriter()
+    writer = metrics_lib.MetricsWriter(workdir) if multihost.is_primary() else metrics_lib.NullWriter()
     opened.append(writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
     if _warm_start(run, job, log, stop, resume_step):
         log(metrics_lib.describe_device_balance("the warm start"))
+    t = _trainer(run, job, ckpt, candidates, workdir, log, writer, opened)
+    _rl_loop(run, job, t, log, stop, reward_fn, ckpt, writer, opened)
+    return _finish(run, workdir, t, log, writer, opened, wall_start)
 
-    # Phase "trainer": the optimizer state created in its shards from the (donated) weights; a resumed run
-    # restores it into its abstract shapes (nothing materialised first).
+
+@dataclasses.dataclass
+class _Trainer:
+    """The trainer phase's products, which the RL loop advances: the train state on the mesh (state, rest, the
+    advantage estimator's state), the data iterator, the jitted step with its shardings, the KL reference, the
+    rollout engine and its policy sync, and the held-out evaluation."""
+
+    job: _Start
+    state: Any
+    rest: Any
+    estimator: Any
+    est_state: Any
+    plan: Any
+    step_fn: Any
+    batch_sh: Any
+    probe_sh: Any
+    mine: _ProcessRows
+    data_iter: Any
+    ref_logprobs: Any
+    engine: Any
+    sync: PolicySync
+    greedy: Sampler
+    start: int
+    accuracy_before: float = float("nan")
+
+    def evaluate(self, run: RunConfig, log: metrics_lib.Logger, show: str = "") -> float:
+        """Held-out greedy accuracy with the trainer's current weights, rows over the mesh's batch axes (the KV
+        cache sharded like a rollout's); with `show`, log the first problems' greedy responses under that label."""
+        job, rows = self.job, run.rollout.prompts_per_step * run.rollout.num_samples
+        rows_sh = batch_shardings(jax.ShapeDtypeStruct((rows, job.prompt_len), jnp.int32), job.mesh)
+
+        def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Any:
+            prompts, mask = to_global((prompts, mask), (rows_sh, rows_sh))
+            out = self.greedy(prompts, mask, key, state=nnx.merge_state(self.state.params, self.rest))
+            return jax.device_put(out, replicated(job.mesh)) if jax.process_count() > 1 else out
+
+        accuracy, responses = greedy_accuracy(greedy_on_mesh, job.tasks.eval_problems, job.tokenizer, job.fmt,
+                                              job.prompt_len, rows)
+        for problem, response in list(zip(job.tasks.eval_problems, responses))[:EXAMPLES_SHOWN] if show else ():
+            log(f"  {show}: {problem.question!r} (answer {problem.answer}) → {response.strip()[:200]!r}")
+        return accuracy
+
+
+def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: list[int], workdir: Path,
+             log: metrics_lib.Logger, writer: Any, opened: list[Any]) -> _Trainer:
+    """Phase "trainer": the optimizer state created in its shards from the (donated) weights, or a checkpoint
+    restored into abstract shapes (nothing materialised first); the KL reference (a copy of the starting weights
+    on the mesh); the rollout engine (the colocated one keeps its weights in the trainer's shardings) fed by
+    low-rank policy sync; the held-out accuracy before RL."""
+    mesh, prompt_len = job.mesh, job.prompt_len
     trainer = Trainer.build(run, job.model, mesh)
-    plan, state_sh, rest_sh = trainer.plan, trainer.state_sh, trainer.rest_sh
     estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
                                     **run.algorithm.estimator_options())
     est_state = to_global(estimator.init(), replicated(mesh))
     ref_params = None
     if run.algorithm.kl_beta > 0:  # the reference policy: the weights RL starts from (after any SFT), on the mesh
         ref_params = jax.tree.map(jnp.copy, nnx.state(job.model, nnx.Param))
+    resume_step = candidates[0] if candidates else None
     if resume_step is None:
         _, params, rest = nnx.split(job.model, nnx.Param, ...)
         state, rest = trainer.init(params, rest)
         del params
     else:
         rest = trainer.rest_only()
-        abstract = (abstract_sharded(trainer.abstract_state, state_sh),
+        abstract = (abstract_sharded(trainer.abstract_state, trainer.state_sh),
                     abstract_sharded(est_state, jax.tree.map(lambda _: replicated(mesh), est_state)))
         (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
     job.model = None  # its weights are the state's now (donated), or were never read
     log(metrics_lib.describe_device_balance("the optimizer's init" if resume_step is None else "the restore"))
-    n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
     step_fn, batch_shapes, probe_shapes = trainer.step(run, mesh, prompt_len)
-    batch_sh = batch_shardings(batch_shapes, mesh)
-    probe_sh = None if probe_shapes is None else batch_shardings(probe_shapes, mesh)
     # Each process reads, samples and scores only the prompts of its own rows of every global batch.
     mine = _ProcessRows(run, mesh, prompt_len)
-    data_iter = iter(tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
+    data_iter = iter(job.tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
     ref_logprobs = None
     if ref_params is not None:
         ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
         ref_logprobs = lambda b: ref_fn(ref_params, rest, {k: b[k] for k in ("tokens", "attention_mask")})
-
+    tokenizer = job.tokenizer
+    options = ({} if run.rollout.workers else
+               {"shardings": {**flat_params(trainer.state_sh.params), **flat_params(trainer.rest_sh)}})
+    engine = rollout_engine(run.rollout.workers, trainer.model().config,
+                            run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), **options)
+    opened.append(engine)
+    sync = PolicySync(engine.sync, state.params, version=int(state.step),
+                      trained=trainer.plan.dense_paths(state.params), on_device=engine.on_device)
+    greedy = Sampler(trainer.model(), run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True),
+                     mesh=mesh)
+    t = _Trainer(job, state, rest, estimator, est_state, trainer.plan, step_fn,
+                 batch_shardings(batch_shapes, mesh),
+                 None if probe_shapes is None else batch_shardings(probe_shapes, mesh), mine, data_iter,
+                 ref_logprobs, engine, sync, greedy, start=resume_step or 0)
     if resume_step is not None:
         data_iter.set_state(data_state)
         writer.truncate_after(resume_step)
-        accuracy_before = extra["accuracy_before"]
+        t.accuracy_before = extra["accuracy_before"]
         log(f"resumed from checkpoint step {resume_step}")
+    else:
+        t.accuracy_before = t.evaluate(run, log, show="before RL")
+        log(f"held-out accuracy before RL: {t.accuracy_before:.3f} ({len(job.tasks.eval_problems)} problems)")
+        writer.write(0, {"eval_accuracy": t.accuracy_before})
+    return t
 
-    # Rollouts come from the engine, whose weights follow the trainer's through low-rank policy sync;
-    # held-out evaluation decodes greedily with the trainer's own weights.
-    # The colocated engine keeps its copy in the trainer's shardings (each process updates its own shards).
-    options = {} if run.rollout.workers else {"shardings": {**flat_params(state_sh.params), **flat_params(rest_sh)}}
-    engine = rollout_engine(run.rollout.workers, trainer.model().config, rollout_cfg, **options)
-    opened.append(engine)
-    sync = PolicySync(engine.sync, state.params, version=int(state.step), trained=plan.dense_paths(state.params),
-                      on_device=engine.on_device)
-    greedy = Sampler(trainer.model(), greedy_cfg, mesh=mesh)
-    everywhere = replicated(mesh)
-    eval_rows = run.rollout.prompts_per_step * run.rollout.num_samples
-    eval_sh = batch_shardings(jax.ShapeDtypeStruct((eval_rows, prompt_len), jnp.int32), mesh)
 
-    def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Any:
-        """Greedy responses for prompts every process holds, rows over the mesh's batch axes (the KV cache
-        sharded like a rollout's), returned whole to every process (held-out problems)."""
-        prompts, mask = to_global((prompts, mask), (eval_sh, eval_sh))
-        out = greedy(prompts, mask, key, state=nnx.merge_state(state.params, rest))
-        return jax.device_put(out, everywhere) if jax.process_count() > 1 else out
-
-    def evaluate(show: str = "") -> float:
-        """Held-out greedy accuracy; with `show`, log the first problems' greedy responses under that label."""
-        accuracy, responses = greedy_accuracy(greedy_on_mesh, tasks.eval_problems, tokenizer, fmt, prompt_len,
-                                              eval_rows)
-        for problem, response in list(zip(tasks.eval_problems, responses))[:EXAMPLES_SHOWN] if show else ():
-            log(f"  {show}: {problem.question!r} (answer {problem.answer}) → {response.strip()[:200]!r}")
-        return accuracy
-
-    if resume_step is None:
-        accuracy_before = evaluate(show="before RL")
-        log(f"held-out accuracy before RL: {accuracy_before:.3f} ({len(tasks.eval_problems)} problems)")
-        writer.write(0, {"eval_accuracy": accuracy_before})
-
+def _rl_loop(run: RunConfig, job: _Start, t: _Trainer, log: metrics_lib.Logger, stop: StopRequests,
+             reward_fn: RewardFn | None, ckpt: CheckpointManager, writer: Any, opened: list[Any]) -> None:
+    """Phase "RL loop": per step, rollout → rewards → advantages → the jitted train step (KL probe) → policy
+    sync → metrics (stop on a non-finite one) → periodic evaluation and checkpoint; a stop request checkpoints
+    and raises RunPreempted."""
+    mesh, tokenizer, fmt, prompt_len, mine = job.mesh, job.tokenizer, job.fmt, job.prompt_len, t.mine
     base_key = jax.random.key(run.train.seed)
-    start = resume_step or 0  # loop steps; state.step counts applied updates (a refused step applies none)
+    start = t.start  # loop steps; state.step counts applied updates (a refused step applies none)
     progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL",
-                                    **({} if primary else {"stream": io.StringIO(), "tty": False}))
+                                    **({} if multihost.is_primary() else {"stream": io.StringIO(), "tty": False}))
     opened.append(progress)
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
     n = run.rollout.num_samples
+    n_rows = run.rollout.prompts_per_step * n
     refusals = 0
     for step in range(start, run.train.steps):
         t0 = time.perf_counter()
-        problems = next(data_iter)  # this process's prompts (all of them in a single-process run)
+        problems = next(t.data_iter)  # this process's prompts (all of them in a single-process run)
         prompts, mask = encode_prompts(problems, tokenizer, fmt, prompt_len)
         prompts, mask = mine.global_prompts(np.asarray(prompts)), mine.global_prompts(np.asarray(mask))
-        rollout = engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
+        rollout = t.engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
         rollout = jax.device_put(rollout, batch_shardings(rollout, mesh))  # rows over the batch axes
         # Rewards are computed where the responses are: each process decodes and scores its own rows.
         texts = decode_responses(local_rows(rollout.tokens), local_rows(rollout.response_mask), tokenizer,
                                  prompt_len)
-        local_rewards, reward_stats = score_responses([fmt.scoring_text(t) for t in texts],
+        local_rewards, reward_stats = score_responses([fmt.scoring_text(x) for x in texts],
                                                       mine.row_problems(problems), config=reward_cfg,
                                                       reward_fn=reward_fn)
         rewards = global_rows(np.asarray(local_rewards, np.float32), rollout.lengths.sharding, (n_rows,))
         lengths = {"lengths": rollout.lengths} if run.algorithm.whiten == "token" else {}
-        advantages, est_state = estimator.update(rewards, est_state, **lengths)
+        advantages, t.est_state = t.estimator.update(rewards, t.est_state, **lengths)
         if run.algorithm.dynamic_sampling:
             advantages = advantages * dynamic_sampling_mask(rewards, n)
         t_rollout = time.perf_counter() - t0
         batch = _rl_batch(rollout, advantages)
-        if ref_logprobs is not None:
-            batch["ref_logprobs"] = ref_logprobs(batch)
+        if t.ref_logprobs is not None:
+            batch["ref_logprobs"] = t.ref_logprobs(batch)
         probe = None
-        if plan.kl_probe is not None:
+        if t.plan.kl_probe is not None:
             rows = probe_rows(run.rollout.prompts_per_step, n, run.optimizer.probe_responses,
                               (run.train.seed, step))
             probe = _probe_batch(rollout, rows, step + 1)
         # Into the step's own shardings (rows over the batch axes): the eager gathers and reductions above leave
         # their results in shardings of XLA's choosing, and jit does not reshard a global array.
-        batch = jax.device_put(batch, batch_sh)
-        probe = None if probe is None else jax.device_put(probe, probe_sh)
-        state, out, updates = step_fn(state, rest, batch, probe)
+        batch = jax.device_put(batch, t.batch_sh)
+        probe = None if probe is None else jax.device_put(probe, t.probe_sh)
+        t.state, out, updates = t.step_fn(t.state, t.rest, batch, probe)
         # Wait for the step (its metrics) before timing the sync, so that sync_time is the sync's own.
         out = {k: float(v) for k, v in jax.device_get(out).items()}
-        report = sync.push(updates, state.params)
-        out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(sync.resyncs))
+        report = t.sync.push(updates, t.state.params)
+        out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(t.sync.resyncs))
         local_rewards = np.asarray(local_rewards, np.float64)
         sums = multihost.gather(np.array([
             local_rewards.sum(), (local_rewards >= reward_cfg.correct).sum(),
@@ -468,7 +506,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
             refusals = 0
             metrics_lib.check_finite(step + 1, out, GUARDED)
         if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
-            out["eval_accuracy"] = evaluate()
+            out["eval_accuracy"] = t.evaluate(run, log)
         if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:
             writer.write(step + 1, out)
         progress.update(step + 1, out)
@@ -480,21 +518,27 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
         # Any process's stop request stops every process at this step (SIGTERM to one host), or none does.
         signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
         must = signum is not None or (last and run.train.checkpoint_every > 0)
-        ckpt.save(step + 1, (state, est_state), data_state=data_iter.get_state(),
-                  extra={"accuracy_before": accuracy_before}, force=must and not ckpt.should_save(step + 1))
+        ckpt.save(step + 1, (t.state, t.est_state), data_state=t.data_iter.get_state(),
+                  extra={"accuracy_before": t.accuracy_before}, force=must and not ckpt.should_save(step + 1))
         ckpt.check_for_errors()  # a failed background save stops the run here, naming the directory
         if signum is not None and not last:
             ckpt.wait_until_finished()
             raise RunPreempted(signum, step + 1)
-    accuracy_after = evaluate(show="after RL")
+
+
+def _finish(run: RunConfig, workdir: Path, t: _Trainer, log: metrics_lib.Logger, writer: Any, opened: list[Any],
+            wall_start: float) -> dict[str, Any]:
+    """Phase "finish": the held-out accuracy after RL, the last checkpoint and metrics closed, summary.json and
+    the reward-curve PNG (process 0)."""
+    accuracy_before, accuracy_after = t.accuracy_before, t.evaluate(run, log, show="after RL")
     steps_done = run.train.steps
     writer.write(steps_done, {"eval_accuracy": accuracy_after})
     for resource in reversed(opened):  # the final checkpoint written, the metrics file complete
         resource.close()
     opened.clear()
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
-               "seconds": time.perf_counter() - wall_start, "prompt_length": prompt_len}
-    if primary:
+               "seconds": time.perf_counter() - wall_start, "prompt_length": t.job.prompt_len}
+    if multihost.is_primary():
         write_json_atomic(workdir / "summary.json", summary)
         metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy", "eval_accuracy"],
                                 workdir / "reward_curve.png",

@@ -1,19 +1,23 @@
 """The whole job's memory plan (`python -m logra_jax.plan`) for the paper's recipe at several scales and targets.
 
-  python experiments/memory/whole_job.py [--cells 7b@v5e:2x4 27b@h100:8 ...] [--out experiments/memory/whole_job]
+  python experiments/memory/whole_job.py [--cells 7b@v5e:2x4 27b@h100:8 ...] [--extra '--set=rollout.prompt_chunks=8']
+  python experiments/memory/whole_job.py --table_only     # the table of the cells planned so far
 
 Each cell is the paper's config (configs/paper_qwen2.5_math.py:<size>, FSDP over every device of the target, the
 paper's batch: 256 prompts × ≤ 3072 new tokens) planned for one optimizer: AdamW on every weight, AdamW on
 LoGRA's targets only (like for like), and LoGRA sketch-native with its predicted-KL probe. TPU targets compile
 with libtpu (.venv-tpu), GPU targets with XLA:GPU (.venv-cuda), cpu:N with XLA:CPU at --hbm_gib (make venv-tpu /
-make venv-cuda create them). One plan per process (each target needs its own devices). Writes <out>.json,
-<out>.md (the table) and <out>.png (per-phase bars), printing each cell as it finishes.
+make venv-cuda create them). One plan per process (each target needs its own devices). In the table "–" is a
+phase the config does not run (the paper's recipe has no SFT warm start and no reference KL). Writes <out>.json,
+<out>.md (the table) and <out>.png (per-phase bars) from every cell planned so far (<out>_cells/*.json), printing
+each cell as it finishes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -37,9 +41,22 @@ def python_for(target: str) -> str:
     return str(REPO / venv / "bin" / "python")
 
 
+def cell_path(out: Path, size: str, target: str, optimizer: str) -> Path:
+    return out.parent / f"{out.name}_cells" / f"{size}@{target.replace(':', '_')}@{optimizer}.json"
+
+
+def read_cell(path: Path) -> dict:
+    """A cell's plan JSON with its size, target, optimizer (from the file name) and whether every phase fits."""
+    size, _, optimizer = path.stem.split("@")
+    result = json.loads(path.read_text())
+    result.update(size=size, optimizer=optimizer,
+                  status=0 if all(p["total"] <= result["hbm_bytes"] for p in result["phases"]) else 3)
+    return result
+
+
 def plan_cell(size: str, target: str, optimizer: str, out: Path, extra: list[str]) -> dict:
     """One `logra_jax.plan` run; its JSON (with the exit status) or the error it printed."""
-    path = out.parent / f"{out.name}_cells" / f"{size}_{target.replace(':', '_')}_{optimizer}.json"
+    path = cell_path(out, size, target, optimizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     command = [python_for(target), "-m", "logra_jax.plan", f"--config=configs/paper_qwen2.5_math.py:{size}",
                f"--target={target}", f"--json={path}", *extra,
@@ -49,9 +66,8 @@ def plan_cell(size: str, target: str, optimizer: str, out: Path, extra: list[str
                           env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
     if done.returncode not in (0, 3):
         return {"size": size, "target": target, "optimizer": optimizer, "error": (done.stdout + done.stderr)[-2000:]}
-    result = json.loads(path.read_text())
-    result.update(size=size, optimizer=optimizer, status=done.returncode,
-                  seconds=round(time.perf_counter() - start, 1))
+    result = read_cell(path)
+    result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
 
@@ -103,22 +119,21 @@ def main() -> None:
     parser.add_argument("--cells", nargs="+", default=list(CELLS), help="size@target, e.g. 7b@v5e:2x4")
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     parser.add_argument("--out", default=str(REPO / "experiments" / "memory" / "whole_job"))
-    parser.add_argument("--extra", nargs="*", default=[], help="more plan flags, e.g. --set=rollout.prompt_chunks=8")
+    parser.add_argument("--extra", default="", help="more plan flags in one string, e.g. "
+                        "'--set=rollout.prompt_chunks=8 --phases train step'")
+    parser.add_argument("--table_only", action="store_true", help="tabulate the cells already planned")
     args = parser.parse_args()
     out = Path(args.out)
-    previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
-    results = [r for r in previous if f"{r['size']}@{r['target']}" not in args.cells
-               or r["optimizer"] not in args.optimizers]
-    for cell in args.cells:
+    for cell in [] if args.table_only else args.cells:
         size, _, target = cell.partition("@")
         for optimizer in args.optimizers:
-            result = plan_cell(size, target, optimizer, out, args.extra)
-            results.append(result)
+            result = plan_cell(size, target, optimizer, out, shlex.split(args.extra))
             summary = result.get("error", "").splitlines()[-1:] if "error" in result else [
                 f"peak {max(p['total'] for p in result['phases']) / 2**30:.2f} GiB, "
                 f"{'fits' if result['status'] == 0 else 'DOES NOT FIT'} ({result['seconds']:.0f} s)"]
             print(f"{cell} {optimizer}: {summary[0] if summary else 'error'}", flush=True)
-            out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    results = [read_cell(path) for path in sorted(out.parent.glob(f"{out.name}_cells/*.json"))]
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     out.with_suffix(".md").write_text(table(results) + "\n")
     plot(results, out.with_suffix(".png"))
     print(table(results))
