@@ -34,8 +34,8 @@ def test_train_step_bytes_agree_with_the_memory_experiment():
 
 
 def test_a_phase_that_does_not_fit_exits_3_naming_it(capsys):
-    args = ["--config=configs/demo.py:runlocal", "--target=cpu:2", "--phases", "start", "trainer init",
-            "--set", "sft.steps=0"]
+    args = ["--config=configs/demo.py:runlocal", "--target=cpu:2", "--prompt_len=8", "--phases", "start",
+            "trainer init", "--set", "sft.steps=0"]
     assert plan.main([*args, "--hbm_gib=1e-6"]) == 3
     out = capsys.readouterr().out
     assert "start needs" in out and "more devices (train.mesh_fsdp)" in out and "do not fit" in out
