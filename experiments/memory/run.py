@@ -42,7 +42,6 @@ import concurrent.futures
 import dataclasses
 import json
 import multiprocessing
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ import jax
 from logra_jax import aot
 from logra_jax import sharding as shd
 from logra_jax.memory_analysis import contender_sections, paper_numerics, rl_step_memory
+from logra_jax.plan import parse_oom
 
 MODELS = {  # results key → preset
     "SmolLM2-135M": "smollm2-135m",
@@ -87,26 +87,6 @@ def measure(model: str, devices: int, optimizer: str, fast: bool, tensor: int = 
     print(f"{cell_key(model, devices, tensor)} {optimizer:20s} {mem['total'] / GIB:7.2f} GiB  ({parts}) "
           f"{time.perf_counter() - start:.1f}s", flush=True)
     return mem
-
-
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-# libtpu's two out-of-HBM reports; XLA:GPU compiles whatever the size (compared with the HBM below instead).
-_OOM = (re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm"),
-        re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"))
-
-
-def parse_oom(message: str) -> tuple[int, int] | None:
-    """(required, available) bytes from the TPU compiler's out-of-HBM error, or None if it is not one.
-
-    Example:
-      >>> parse_oom("Ran out of memory in memory space hbm. Used 32.78G of 15.75G hbm. Exceeded hbm capacity")
-      (35196174663, 16911433728)
-    """
-    for pattern in _OOM:
-        found = pattern.search(message)
-        if found:
-            return (round(float(found[1]) * _UNITS[found[2]]), round(float(found[3]) * _UNITS[found[4]]))
-    return None
 
 
 def measure_target(model: str, devices: int, optimizer: str, target: str, implementation: str,
