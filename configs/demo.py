@@ -4,9 +4,10 @@ SFT warm start on two-digit additions *without* carries (plus 100 examples of th
 with LoGRA (sketch-native, rank 64, update ratio 3e-3 applied per layer: the best LoGRA setting of
 experiments/parity) on two-digit additions *with* at least one carry; the held-out problems (also with carries)
 are never trained on. Prints held-out greedy accuracy before and after RL and writes runs/demo/reward_curve.png.
-Measured (seed 0, 2-core AMD EPYC, 2026-12-04): 13.3% → 70.3% held-out in 2 min 33 s (evaluations every 50
-steps: 0.133, 0.602, 0.668, 0.664, 0.703). XLA compiles for the host CPU, so seed-exact numbers differ between CPU
-types (the study's machine gave 5.9% → 61.7% for the same seed). Over 5 seeds (experiments/parity/README.md)
+Measured (seed 0, 2-core Intel Xeon, 2026-12-05, weights initialised under jit in their shards): 10.2% → 70.3%
+held-out, 203 s for the run (evaluations every 50 steps: 0.102, 0.570, 0.602, 0.684, 0.703). XLA compiles for the
+host CPU, so seed-exact numbers differ between CPU types (a 2-core AMD EPYC gave 13.3% → 70.3% with the earlier
+eager initialisation, the study's machine 5.9% → 61.7%). Over 5 seeds (experiments/parity/README.md)
 72.8 ± 8.6% after RL, against 81.4 ± 9.0% for AdamW on the same weights. The predicted-KL controller is one
 override away:
 --config.optimizer.kl_control=True --config.optimizer.kl_budget=0.32 --config.optimizer.ratio_scope=global.
