@@ -189,3 +189,23 @@ def test_validation(model):
                 jax.random.key(0))
     with pytest.raises(ValueError, match="same shape"):
         sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK[:, 1:]), jax.random.key(0))
+
+
+def test_prompt_chunks_generate_each_chunk_as_on_its_own(model):
+    """prompt_chunks = C: chunk c (its B / C prompts) is sampled exactly as a call on those prompts alone with key
+    fold_in(key, c); the rows come back in prompt order, num_samples adjacent per prompt."""
+    prompts = np.concatenate([PROMPTS, PROMPTS[::-1] + 1], axis=0)  # 6 prompts, 2 chunks of 3
+    mask = np.concatenate([MASK, MASK[::-1]], axis=0)
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(7)
+    config = SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, num_samples=2, prompt_chunks=2)
+    chunked = generate(graphdef, state, jnp.asarray(prompts), jnp.asarray(mask), key, config)
+    one = SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, num_samples=2)
+    parts = [generate(graphdef, state, jnp.asarray(prompts[3 * c:3 * c + 3]), jnp.asarray(mask[3 * c:3 * c + 3]),
+                      jax.random.fold_in(key, c), one) for c in range(2)]
+    for name in chunked._fields:
+        np.testing.assert_array_equal(np.asarray(getattr(chunked, name)),
+                                      np.concatenate([np.asarray(getattr(p, name)) for p in parts]), err_msg=name)
+    with pytest.raises(ValueError, match="prompt_chunks = 4"):
+        generate(graphdef, state, jnp.asarray(prompts), jnp.asarray(mask), key,
+                 SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, prompt_chunks=4))
