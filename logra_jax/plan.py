@@ -20,7 +20,7 @@ fake XLA:CPU devices for cpu:N). A phase's per-device bytes are its program's (a
 The largest is named. Exit status 0 when every phase fits the HBM (`--hbm_gib`, default the target's per-device
 HBM), 3 when one does not (naming it and what to change), 2 for bad flags, 1 for other errors. A phase that the
 TPU compiler refuses for memory is reported with the bytes the compiler asked for.
-Not counted: the host (a checkpoint is read one device's shard of one parameter at a time), the rollout
+Not counted: the host (a checkpoint is read one layer's slice of one parameter at a time), the rollout
 worker process of rollout.workers = 1 (its own devices), the framework's own reservations on the device.
 """
 
@@ -161,7 +161,7 @@ def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
         program, refused, _ = compiled_bytes(jit(lambda: nnx.split(init_model(config, run.model.init_seed))[1],
                                                  out_shardings=init_sh))
         phases.append(PhaseBytes("start", program, 0, "weights created in their shards (a checkpoint: read slice "
-                                 "by slice, one device's shard of one parameter on the host)", refused))
+                                 "by slice, one layer's slice of one parameter on the host)", refused))
 
     if run.sft.steps and wanted("warm start"):
         progress("warm start")

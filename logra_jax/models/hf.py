@@ -3,7 +3,7 @@
 Loading is sharded from the first byte: safetensors files are memory-mapped (pages come from the file, not the
 heap) and each parameter is assembled shard by shard on the devices that hold it (`place_leaf`): a process reads
 only the slices its own devices hold (q/k rows through the RoPE permutation, transposed kernels through the
-transpose), and the host holds one device's shard of one parameter at a time, never a whole model or a whole
+transpose), and the host holds one layer's slice of one parameter at a time, never a whole model or a whole
 weight that the shardings split. `LoadStats` counts the bytes read.
 Export streams the other way, one leaf at a time from the device into the file.
 
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -105,12 +106,14 @@ class LoadStats:
 
 
 def place_leaf(shape: tuple[int, ...], sharding: jax.sharding.Sharding | None,
-               read_slice: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+               read_slice: Callable[[tuple[slice, ...]], np.ndarray], *, stacked: bool = False) -> jax.Array:
     """A float32 array of `shape` in `sharding` (default: this process's first device) whose every shard is
     `read_slice(index)` for the index that shard holds, read only for this process's devices.
 
     Shards are read one distinct index at a time (devices holding the same slice share one read) and each is on
-    its device before the next is read: the host holds one shard, never the whole array.
+    its device before the next is read: the host holds one shard, never the whole array. `stacked`: the leading
+    axis stacks layers, and a shard is read one layer at a time and joined on its device, so that the host holds
+    one layer's slice (about one checkpoint tensor) at a time.
     """
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -122,11 +125,16 @@ def place_leaf(shape: tuple[int, ...], sharding: jax.sharding.Sharding | None,
     shards: dict[jax.Device, jax.Array] = {}
     for bounds, devices in by_index.items():
         index = tuple(slice(*b) for b in bounds)
-        host = np.ascontiguousarray(read_slice(index), np.float32)
-        for device in devices:
-            # Wait for each transfer: an asynchronous device_put keeps its host buffer alive.
-            shards[device] = jax.device_put(host, device).block_until_ready()
-        del host
+        parts = [index] if not stacked else [(slice(i, i + 1), *index[1:]) for i in range(*bounds[0])]
+        pieces: dict[jax.Device, list[jax.Array]] = {device: [] for device in devices}
+        for part in parts:
+            host = np.ascontiguousarray(read_slice(part), np.float32)
+            for device in devices:
+                # Wait for each transfer: an asynchronous device_put keeps its host buffer alive.
+                pieces[device].append(jax.device_put(host, device).block_until_ready())
+            del host
+        for device, arrays in pieces.items():
+            shards[device] = arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=0)
     return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in indices])
 
 
@@ -138,7 +146,7 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
     `read` returns a lazily indexed view (a memory-mapped safetensors tensor: only the bytes of the slices taken
     are read) or one tensor's worth of fresh memory. Each parameter goes to its devices (`shardings[path]`, else
     this process's first device) shard by shard (`place_leaf`): a process reads only the slices its own devices
-    hold, and the host holds one device's shard of one parameter at a time (a Mesh for `shardings`: the
+    hold, and the host holds one layer's slice of one parameter at a time (a Mesh for `shardings`: the
     logical-axis rules' shardings on it, `parameter_shardings`). q/k rows are reordered to the
     interleaved convention when config.rope_interleaved (the slice is taken through the permutation).
 
@@ -195,7 +203,8 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
                 out[j] = tensor_slice(name.format(i=i), shape[1:], transpose, index[1:])
             return out
 
-        variable.set_value(place_leaf(shape, None if shardings is None else shardings.get(path), read_slice))
+        variable.set_value(place_leaf(shape, None if shardings is None else shardings.get(path), read_slice,
+                                      stacked="{i}" in name))
     return nnx.merge(graphdef, state), used
 
 

@@ -75,6 +75,25 @@ def test_checkpoint_is_read_slice_by_slice_into_the_rules_shardings(tmp_path, ro
         np.asarray(checkpoint.get(n)).nbytes for n in checkpoint.names())
 
 
+def test_the_host_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """Even a whole-leaf load on one device moves a stacked [L, ...] parameter one layer at a time: no host
+    buffer handed to a device is larger than the checkpoint's largest tensor (in float32)."""
+    config = models.preset("tiny", tie_embeddings=False)
+    models.export(models.init_model(config, seed=1), None, tmp_path / "hf")
+    checkpoint = SafetensorsFile(tmp_path / "hf" / "model.safetensors")
+    largest = max(4 * int(np.prod(checkpoint.get(n).shape)) for n in checkpoint.names())
+    put, sizes = jax.device_put, []
+
+    def recording_put(x, *args, **kwargs):
+        sizes.append(getattr(x, "nbytes", 0))
+        return put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", recording_put)
+    model, _ = build_model(config, checkpoint.get, source="test")
+    stacked = _leaves(model)["blocks.mlp.up_proj.kernel"].nbytes
+    assert config.num_layers > 1 and stacked > largest >= max(sizes) > 0
+
+
 def test_abstract_load_reads_no_weights(tmp_path):
     models.export(models.init_model(models.preset("tiny"), seed=1), models.char_tokenizer(), tmp_path / "hf")
     stats = models.LoadStats()
