@@ -69,7 +69,7 @@ def device_bytes(tree: Any) -> int:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):  # a static argument (graph definition, config)
             continue
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+        total += math.prod(shape) * x.dtype.itemsize  # extended dtypes (PRNG keys) carry their own itemsize
     return total
 
 

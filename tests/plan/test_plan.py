@@ -67,3 +67,12 @@ def test_default_mesh_uses_every_device():
     assert job_mesh(fixed, jax.devices()).devices.size == 4
     with pytest.raises(ValueError, match=r"mesh_data × mesh_fsdp × mesh_tensor = 3 × -1 × 1"):
         job_mesh(RunConfig.from_dict({"train": {"mesh_data": 3}}).train, jax.devices())
+
+
+def test_device_bytes_counts_shards_keys_and_skips_static_arguments():
+    mesh = make_mesh(MeshConfig(fsdp=4), jax.devices()[:4])
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    tree = {"rows": jax.ShapeDtypeStruct((8, 3), jax.numpy.float32, sharding=split),  # 2 rows per device
+            "whole": jax.ShapeDtypeStruct((5,), jax.numpy.bfloat16),
+            "key": jax.eval_shape(lambda: jax.random.key(0)), "graph": "static"}
+    assert plan.device_bytes(tree) == 2 * 3 * 4 + 5 * 2 + 8
