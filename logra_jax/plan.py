@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from logra_jax.tree_paths import path_str
+
 GIB = 2**30
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 # libtpu's out-of-HBM reports (XLA:GPU and XLA:CPU compile whatever the size).
@@ -166,8 +168,8 @@ def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
     if run.sft.steps and wanted("warm start"):
         progress("warm start")
         length = prompt_len + run.rollout.max_new_tokens
-        step, _, batch, sft_state_sh = sft_step(graphdef, params, rest, run.sft, mesh, length)
-        sft_state = jax.eval_shape(lambda p: _sft_state(run, p), params)
+        step, sft_init, batch, sft_state_sh = sft_step(graphdef, params, rest, run.sft, mesh, length)
+        sft_state = jax.eval_shape(sft_init, params)  # the warm start's own TrainState, shapes only
         program, refused, _ = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), rest,
                                              abstract_sharded(batch, batch_shardings(batch, mesh)))
         phases.append(PhaseBytes("warm start", program, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} "
@@ -187,7 +189,7 @@ def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
     if run.rollout.workers == 0:  # the colocated engine's own float32 copy, in the trainer's shardings
         engine_sh = parameter_shardings(config, mesh)
         engine = jax.tree_util.tree_map_with_path(
-            lambda k, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=engine_sh[_path(k)]),
+            lambda k, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=engine_sh[path_str(k)]),
             nnx.split(abstract_model(config))[1])
     alive = {"state": device_bytes((state, trainer_rest)), "ref": device_bytes(ref) if ref is not None else 0,
              "engine": device_bytes(engine) if engine is not None else 0}
@@ -272,22 +274,8 @@ def job_prompt_length(run: Any, default: int = 512) -> int:
                                  fmt)
 
 
-def _sft_state(run: Any, params: Any) -> Any:
-    from logra_jax.sft import sft_optimizer
-    from logra_jax.train_step import TrainState
-
-    tx = sft_optimizer(run.sft)
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
-
-
 def _mask(prompts: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(prompts.shape, jnp.bool_, sharding=prompts.sharding)
-
-
-def _path(keypath: Any) -> str:
-    from logra_jax.tree_paths import path_str
-
-    return path_str(keypath)
 
 
 def _engine_view(updates: Any, engine: Any) -> Any:
@@ -295,7 +283,7 @@ def _engine_view(updates: Any, engine: Any) -> Any:
     from logra_jax.transport.sync import flat_params
 
     flat = flat_params(updates)
-    return jax.tree_util.tree_map_with_path(lambda k, _: flat.get(_path(k)), engine)
+    return jax.tree_util.tree_map_with_path(lambda k, _: flat.get(path_str(k)), engine)
 
 
 PHASES = ("start", "warm start", "trainer init", "rollout", "KL reference", "train step", "policy sync",
