@@ -45,6 +45,7 @@ RESUME_FIXED = (
     "optimizer.refresh",
     "optimizer.refresh_every",
     "optimizer.momentum",         # the sketch-space first moment's state (none at 0)
+    "optimizer.weight_dtype",     # the checkpointed weights' dtype
     "optimizer.variant",          # which moments RowAdam keeps
     "optimizer.sketch_native",
     "optimizer.kl_control",       # the controller's state

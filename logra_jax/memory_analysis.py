@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from logra_jax import sharding as shd
+from logra_jax.hlo_cost import hlo_cost
 from logra_jax.models.config import ModelConfig, preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optimizers import build_optimizer
@@ -49,8 +50,11 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       mesh, rules: the mesh and logical rules the step is sharded with.
       compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`; XLA:CPU options are dropped
         when the mesh is not CPU).
-      with_cost: also return the compiler's cost analysis of the step, per device: "flops" and
-        "bytes_accessed" (None where the compiler gives none, e.g. XLA:GPU).
+      with_cost: also return the step's cost per device from its compiled HLO, every loop iteration counted
+        (`logra_jax.hlo_cost`): "flops", "matmul_flops", "bytes_accessed", "collective_bytes",
+        "unknown_trip_counts" and "uncounted_custom_calls" (how many loops counted once, how many kernels
+        without a declared cost); and the compiler's own `cost_analysis()` as "xla_flops" /
+        "xla_bytes_accessed" (loop bodies counted once; None where the compiler gives none, e.g. XLA:GPU).
 
     Returns:
       {"argument", "output", "temp", "alias", "total"} in bytes per device (and the cost entries).
@@ -80,10 +84,15 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
            "alias": m.alias_size_in_bytes}
     out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     if with_cost:
+        walked = hlo_cost(compiled.as_text())
+        out.update(flops=int(walked.flops), matmul_flops=int(walked.matmul_flops),
+                   bytes_accessed=int(walked.bytes_accessed), collective_bytes=int(walked.collective_bytes),
+                   unknown_trip_counts=len(walked.unknown_trip_counts),
+                   uncounted_custom_calls=len(walked.uncounted_custom_calls))
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
-        out["flops"] = None if not cost or "flops" not in cost else int(cost["flops"])
-        out["bytes_accessed"] = None if not cost or "bytes accessed" not in cost else int(cost["bytes accessed"])
+        out["xla_flops"] = None if not cost or "flops" not in cost else int(cost["flops"])
+        out["xla_bytes_accessed"] = None if not cost or "bytes accessed" not in cost else int(cost["bytes accessed"])
     return out
 
 
@@ -93,7 +102,7 @@ def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:
     adamw: every parameter; adamw_targets: exactly LoGRA's targets, the rest frozen (like for like); galore
     (optax.contrib); adafactor; LoGRA in dense-gradient mode, sketch-native, and sketch-native with the
     predicted-KL controller (set its `probe_responses` for the mesh: the paper probes 2 sequences per device), and
-    that with the sketch-space momentum (`optimizer.momentum`).
+    that with the sketch-space momentum (`optimizer.momentum`) or with bfloat16 weights (`optimizer.weight_dtype`).
     """
     return {
         "adamw": OptimizerSection(name="adamw", learning_rate=1e-6),
@@ -106,6 +115,9 @@ def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:
         # the same with the sketch-space first moment (one fp32 [rows, r] array per target, issue 33)
         "logra_sketch_native_kl_momentum": OptimizerSection(name="logra", rank=rank, sketch_native=True,
                                                             kl_control=True, momentum=0.9, refresh_every=16),
+        # LoGRA+KL with its matrices stored in bfloat16, merged with stochastic rounding (issue 34)
+        "logra_sketch_native_kl_bf16": OptimizerSection(name="logra", rank=rank, sketch_native=True,
+                                                        kl_control=True, weight_dtype="bfloat16"),
     }
 
 
@@ -166,7 +178,7 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
         With optimizer.kl_control the step also probes the predicted KL on `optimizer.probe_responses`
         sequences (rounded up to a multiple of the mesh size).
       compiler_options: XLA options (default: cheap CPU code generation; buffer assignment is unaffected).
-      with_cost: also return the compiler's per-device "flops" and "bytes_accessed" (`step_memory`).
+      with_cost: also return the step's per-device cost, loops counted (`step_memory`).
 
     Returns:
       {"argument", "output", "temp", "alias", "total"} in bytes per device.

@@ -19,6 +19,7 @@ import jax
 import optax
 from flax import nnx
 
+from logra_jax.models.decoder import cast_matrices
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, resolve_round_bf16, target_labels
@@ -74,6 +75,15 @@ class OptimizerPlan:
         return [p for p in paths if p not in low_rank and trained(tuple(p.split(".")))]
 
 
+def store_weights(model: nnx.Module, dtype: str) -> None:
+    """Store the decoder's matrices (kernels, embeddings) in `dtype` from here on, in place, and say so in its
+    config (`param_dtype`: the rollout engine builds its copy from it); norm scales and biases stay float32.
+    With bfloat16 LoGRA's merge rounds stochastically (`logra_jax.optim.lowrank.LowRankUpdate.merge`), so small
+    steps survive on average."""
+    cast_matrices(model, dtype)
+    model.config = model.config.replace(param_dtype=dtype)
+
+
 def check_optimizer_fits(cfg: OptimizerSection, model: nnx.Module) -> None:
     """Fail fast (before the SFT warm start and any compilation) when the optimizer cannot run on `model`:
     LoGRA's rank must fit every target's width (the error names the layer, its width and the field).
@@ -108,12 +118,15 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                                                          base_optimizer=optax.scale_by_adam()))
         galore = optax.chain(galore, optax.add_decayed_weights(cfg.weight_decay), optax.scale(-cfg.learning_rate))
         return OptimizerPlan(_targets_and_rest(galore, optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)))
+    if cfg.weight_dtype != "float32":
+        store_weights(model, cfg.weight_dtype)
     non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
     # The one declaration of the sketch settings: logra and the model's sketch probes take this same object.
     spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
                       refresh_every=cfg.refresh_every,
                       round_bf16=resolve_round_bf16(cfg.round_bf16, cfg.variant),
-                      implementation=cfg.implementation, interpret=cfg.interpret)
+                      implementation=cfg.implementation, interpret=cfg.interpret,
+                      stochastic_round=cfg.weight_dtype != "float32")
     kl = None
     if cfg.kl_control:
         kl = dict(kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,

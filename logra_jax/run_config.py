@@ -262,6 +262,7 @@ class AlgorithmSection:
 # parameters it does not target: the config's own vocabulary (no module below owns these names).
 OPTIMIZER_NAMES = ("logra", "adamw", "galore", "adafactor", "row_adam")
 NON_TARGET_CHOICES = ("frozen", "adamw")
+WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +280,11 @@ class OptimizerSection:
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
     subtract_mismatch, probe_responses per step, kl_undo_above: undo a step whose realised KL on the probe
     exceeds this multiple of the budget; 0 = off). implementation: "xla" or "pallas" kernels for the sketched
-    projection, RowAdam and the merge (interpret: run Pallas in interpret mode, for CPU tests)."""
+    projection, RowAdam and the merge (interpret: run Pallas in interpret mode, for CPU tests). weight_dtype:
+    how the weights are stored during RL, "float32" (the paper's) or "bfloat16" (LoGRA only, non-targets
+    frozen): every matrix (kernels, embeddings) is stored in bfloat16 from the trainer's init on, and each
+    low-rank merge rounds the float32 sum stochastically, keyed by seed, step and path, so the rollout engine
+    applying the same update gets the same bits (logra_jax.optim.lowrank.stochastic_round_bf16)."""
 
     name: str = "logra"
     targets_only: bool = False
@@ -311,9 +316,15 @@ class OptimizerSection:
     kl_undo_above: float = 0.0
     implementation: str = _SKETCH_SPEC.implementation
     interpret: bool = _SKETCH_SPEC.interpret
+    weight_dtype: str = "float32"
 
     def validate(self) -> None:
         _check_choice("optimizer", "name", self.name, OPTIMIZER_NAMES)
+        _check_choice("optimizer", "weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        if self.weight_dtype != "float32" and (self.name != "logra" or self.non_targets != "frozen"):
+            _fail("optimizer.weight_dtype", self.weight_dtype, "bfloat16 weights need optimizer.name='logra' with "
+                  "non_targets='frozen': only LoGRA's merge rounds stochastically (a dense optax update would "
+                  "round to nearest and lose every step below bfloat16's spacing)")
         if self.targets_only and self.name != "adamw":
             _fail("optimizer.targets_only", self.targets_only, "is an AdamW option (optimizer.name='adamw')")
         _check_choice("optimizer", "implementation", self.implementation, IMPLEMENTATIONS)

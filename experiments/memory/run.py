@@ -28,6 +28,8 @@ logra_jax.memory_analysis.rl_step_memory):
                         probe sequences per device and runs the forward-mode JVP and the realised-KL forward.
   logra_sketch_native_kl_momentum  the same with the sketch-space first moment (optimizer.momentum 0.9; one
                         float32 [rows, r] array per target, carried across projection changes).
+  logra_sketch_native_kl_bf16  LoGRA+KL with every matrix stored in bfloat16 (optimizer.weight_dtype), merged
+                        with stochastic rounding.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ MODELS = {  # results key → preset
 }
 DEVICE_COUNTS = (4, 8)
 OPTIMIZERS = ("adamw", "adamw_targets", "galore", "adafactor", "logra_dense_grad", "logra_sketch_native",
-              "logra_sketch_native_kl", "logra_sketch_native_kl_momentum")
+              "logra_sketch_native_kl", "logra_sketch_native_kl_momentum", "logra_sketch_native_kl_bf16")
 PROBES_PER_DEVICE = 2  # the paper's KL probe: 2 single-response sequences per data-parallel rank
 SEQ_LEN = 4096
 PROMPT_LEN = 512
@@ -284,22 +286,31 @@ def target_tables(folder: Path) -> str:
 
 
 def cost_table(folder: Path) -> str:
-    """Markdown: the compiler's per-device flops and bytes accessed, roofline time max(F/peak, B/bandwidth)."""
-    lines = ["| target | model @ devices | optimizer | impl | GFLOP | GB accessed | roofline ms | ÷ adamw |",
-             "|---" * 8 + "|"]
+    """Markdown: per-device flops and bytes of each compiled step with every loop iteration counted
+    (`logra_jax.hlo_cost`), the compiler's own flop count beside it (loop bodies once), and the roofline
+    max(F / peak bf16 FLOP/s, B / HBM bandwidth), with its ratio to AdamW and to AdamW on LoGRA's targets."""
+    lines = ["| target | model @ devices | optimizer | impl | GFLOP | XLA's GFLOP (loops once) | GB accessed | "
+             "collective GB | compute ms | memory ms | roofline ms | ÷ adamw | ÷ adamw_targets |", "|---" * 13 + "|"]
     for rep in _target_reports(folder):
         for key, row in rep["cells"].items():
-            base = None
+            times: dict[str, float] = {}
             for opt in OPTIMIZERS:
                 for impl, cell in row.get(opt, {}).items():
-                    if cell.get("flops") is None:
+                    if cell.get("matmul_flops") is None:  # a cell measured before the loop-aware count
                         continue
                     info = aot.target_info(cell["target"])
-                    seconds = max(cell["flops"] / info.peak_bf16_flops, cell["bytes_accessed"] / info.hbm_bandwidth)
-                    base = seconds if (opt, impl) == ("adamw", "xla") else base
-                    ratio = f"{seconds / base:.2f}" if base else "–"
-                    lines.append(f"| {cell['target']} | {key} | {opt} | {impl} | {cell['flops'] / 1e9:.0f} | "
-                                 f"{cell['bytes_accessed'] / 1e9:.1f} | {seconds * 1e3:.2f} | {ratio} |")
+                    compute, memory = cell["flops"] / info.peak_bf16_flops, cell["bytes_accessed"] / info.hbm_bandwidth
+                    seconds = times[f"{opt}/{impl}"] = max(compute, memory)
+                    ratios = [f"{seconds / times[b]:.2f}" if b in times else "–"
+                              for b in ("adamw/xla", "adamw_targets/xla")]
+                    xla = "–" if cell.get("xla_flops") is None else f"{cell['xla_flops'] / 1e9:.0f}"
+                    uncounted = f" ({cell['uncounted_custom_calls']} kernels uncounted)" if cell.get(
+                        "uncounted_custom_calls") else ""
+                    lines.append(f"| {cell['target']} | {key} | {opt} | {impl} | "
+                                 f"{cell['flops'] / 1e9:.0f}{uncounted} | {xla} | {cell['bytes_accessed'] / 1e9:.1f} | "
+                                 f"{cell['collective_bytes'] / 1e9:.2f} | "
+                                 f"{compute * 1e3:.1f} | {memory * 1e3:.1f} | {seconds * 1e3:.1f} | "
+                                 + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 Implementation = Literal["xla", "pallas"]
@@ -241,6 +242,20 @@ def round_factor(factor: jax.Array, round_bf16: bool) -> jax.Array:
 def block_or(value: Any, default: int) -> Any:
     """A block-size argument, `default` when the caller left it None."""
     return default if value is None else value
+
+
+def cost_estimate(flops: int, *arrays: Any) -> pl.CostEstimate:
+    """A kernel's declared cost: its matmul flops and the bytes of its inputs and outputs (`arrays`: arrays or
+    ShapeDtypeStructs). The TPU compiler keeps it on the kernel's custom call, where XLA's cost analysis and
+    `logra_jax.hlo_cost` read it (a Pallas call is otherwise opaque to both).
+
+    Example:
+      >>> c = cost_estimate(2 * 4 * 8 * 16, jax.ShapeDtypeStruct((4, 8), jnp.float32))
+      >>> c.flops, c.bytes_accessed
+      (1024, 128)
+    """
+    nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)
+    return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(nbytes))
 
 
 def compiler_params(dimension_semantics: tuple[str, ...], vmem_bytes: int | None = None,

@@ -29,6 +29,7 @@ from logra_jax.kernels.backend import (
     check_block,
     check_implementation,
     compiler_params,
+    cost_estimate,
     current_mesh,
     current_target,
     fit_block,
@@ -78,6 +79,7 @@ def _merge_pallas(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_b
         compiler_params=compiler_params(("parallel", "parallel"), vmem, chip),
         interpret=interpret,
         name="logra_merge",
+        cost_estimate=cost_estimate(2 * k * d * r + k * d, kernel, factor, a_t, kernel),
     )(kernel, factor, a_t)
 
 

@@ -36,6 +36,7 @@ from logra_jax.kernels.backend import (
     check_block,
     check_implementation,
     compiler_params,
+    cost_estimate,
     current_mesh,
     current_target,
     fit_block,
@@ -296,6 +297,8 @@ def _fused_forward(x, kernel, a, *, interpret, blocks, vmem_bytes, target):
         compiler_params=compiler_params(("parallel", "arbitrary", "arbitrary"), vmem_bytes, target),
         interpret=interpret,
         name="logra_fused_forward",
+        cost_estimate=cost_estimate(2 * t * k * (d + r), x, kernel, a, jax.ShapeDtypeStruct((t, d), x.dtype),
+                                    jax.ShapeDtypeStruct((t, r), x.dtype)),
     )(x, kernel, a)
 
 
@@ -361,6 +364,8 @@ def _fused_backward(h, p, kernel, *, interpret, blocks, vmem_bytes, target):
         compiler_params=compiler_params(("arbitrary", "arbitrary", "arbitrary"), vmem_bytes, target),
         interpret=interpret,
         name="logra_fused_backward",
+        cost_estimate=cost_estimate(2 * t * d * (k + r), h, p, kernel, jax.ShapeDtypeStruct((t, k), h.dtype),
+                                    jax.ShapeDtypeStruct((d, r), jnp.float32)),
     )(h, p, kernel)
     return dx, s[:d]
 

@@ -32,6 +32,7 @@ from logra_jax.kernels.backend import (
     check_block,
     check_implementation,
     compiler_params,
+    cost_estimate,
     current_mesh,
     current_target,
     fit_block,
@@ -122,6 +123,7 @@ def _row_moment_pallas(s, v, count, *, b2, eps, variant, interpret, block_d, chi
         compiler_params=params,
         interpret=interpret,
         name="logra_row_moment",
+        cost_estimate=cost_estimate(3 * d * r + 8 * d, s, v, *out_shape),
     )(s, v.astype(jnp.float32).reshape(d, 1), hyper)
     if variant == "nemo":
         v_new, d_out = outs
@@ -136,6 +138,7 @@ def _row_moment_pallas(s, v, count, *, b2, eps, variant, interpret, block_d, chi
         compiler_params=params,
         interpret=interpret,
         name="logra_row_scale",
+        cost_estimate=cost_estimate(d * r, s, s, vec_shape),
     )(s, _paper_row_scale(rho, rowsq, eps))
     return v_new.reshape(d), d_out
 

@@ -30,7 +30,9 @@ class ModelConfig:
       qkv_bias: q/k/v projections carry a bias (Qwen2).
       tie_embeddings: the output head reuses the input embedding.
       max_seq_len: longest sequence (prompt + generation) the model is used with.
-      dtype: compute dtype ("float32" or "bfloat16"); parameters are always float32.
+      dtype: compute dtype ("float32" or "bfloat16").
+      param_dtype: how the matrices (kernels, embeddings) are stored, "float32" or "bfloat16"; norm scales and
+        biases are always float32. The run sets it from `optimizer.weight_dtype` for the RL phase.
       remat: activation checkpointing per block: "none", "full", "save_dots" or "save_sketch" (keep only the
         LoGRA projections X Aᵀ of sketch-native targets).
       attention_impl: "dense" materialises [T, T] scores; "chunked" runs an online softmax over key chunks.
@@ -57,6 +59,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 512
     dtype: str = "float32"
+    param_dtype: str = "float32"
     remat: Remat = "none"
     attention_impl: AttentionImpl = "dense"
     attention_chunk: int = 512
@@ -92,6 +95,8 @@ class ModelConfig:
                 f"{self.rope_high_freq_factor!r} <= {self.rope_low_freq_factor!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.param_dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.param_dtype must be one of {_DTYPES}, got {self.param_dtype!r}")
         if self.remat not in ("none", "full", "save_dots", "save_sketch"):
             raise ValueError(
                 f"ModelConfig.remat must be 'none', 'full', 'save_dots' or 'save_sketch', got {self.remat!r}")

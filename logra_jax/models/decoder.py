@@ -76,6 +76,8 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_embeddings else Linear(
             c.hidden_size, c.vocab_size, axes=("embed", "vocab"), rngs=rngs)
+        if c.param_dtype != "float32":
+            cast_matrices(self, c.param_dtype)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -166,6 +168,22 @@ class Decoder(nnx.Module):
 def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
     """A randomly initialised decoder (normal(0.02) weights, unit norms)."""
     return Decoder(config, rngs=nnx.Rngs(params=seed))
+
+
+def cast_matrices(model: nnx.Module, dtype: str) -> None:
+    """Store the matrices of `model` (every `kernel` and `embedding` parameter) in `dtype`, in place; norm scales
+    and biases, stacked over layers or not, keep their float32.
+
+    Example:
+      >>> from logra_jax.models.config import preset
+      >>> m = Decoder(preset("tiny"), rngs=nnx.Rngs(params=0))
+      >>> cast_matrices(m, "bfloat16")
+      >>> str(m.blocks.mlp.up_proj.kernel[...].dtype), str(m.final_norm.scale[...].dtype)
+      ('bfloat16', 'float32')
+    """
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if path_str(path).endswith(("kernel", "embedding")) else x, params))
 
 
 def abstract_model(config: ModelConfig) -> Decoder:

@@ -320,6 +320,10 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
     routed = optax.partition({TARGET_LABEL: target_tx, NON_TARGET_LABEL: frozen},
                              lambda tree: target_labels(tree, spec.rules))
     if dense_updates:
+        if spec.stochastic_round:
+            raise ValueError("logra: dense_updates=True cannot keep spec.stochastic_round: a dense ΔW is merged by "
+                             "optax.apply_updates, which rounds to nearest; use the low-rank route "
+                             "(logra_jax.optim.apply_updates)")
         densify = densify_lowrank()
 
         def dense_update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:

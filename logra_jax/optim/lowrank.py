@@ -251,12 +251,20 @@ class LowRankUpdate:
 
     def merge(self, weight: jax.Array) -> jax.Array:
         """W ← (1 + c)·W + U·A, one batch slice at a time (never more than one slice's ΔW in memory; with
-        implementation "pallas" never more than one block of it)."""
+        implementation "pallas" never more than one block of it).
+
+        With `spec.stochastic_round` (`optimizer.weight_dtype="bfloat16"`) a bfloat16 weight takes the float32 sum
+        rounded stochastically (`stochastic_round_bf16`: up or down with the probabilities that make the rounding
+        unbiased), from a key of (seed, this update's step, the slice's path) apart from the projections' keys:
+        every holder of the weights that applies the same update gets the same bits, and no update smaller than
+        bfloat16's spacing is lost on average. That rounding runs in XLA whatever the `implementation` (the
+        Pallas merge writes round-to-nearest). Without it a bfloat16 weight rounds to nearest, as optax does.
+        """
         spec = self.spec
         self._check_weight(weight, "apply_updates")
         draw, step, digests = self._draw()
-        return _merge(draw, (spec.implementation, spec.interpret), self.wire_factor(), step, digests, self.decay,
-                      weight)
+        return _merge(draw, (spec.implementation, spec.interpret, spec.stochastic_round), self.wire_factor(), step,
+                      digests, self.decay, weight, jnp.asarray(self.step, jnp.int32))
 
 
 # (target geometry, base_seed, rank, distribution): everything static that selects the projections; the slices'
@@ -334,11 +342,36 @@ def _slice_merge_kernel(draw: _Draw, step: jax.Array, u_i: jax.Array, digest_i: 
     return jnp.transpose(out.reshape(*t.width_shape, *t.rows_shape), np.argsort(perm))
 
 
+# Folded into a slice's key for the stochastic rounding of a bfloat16 merge: a stream apart from the projections'.
+_ROUNDING_STREAM = 0x5352
+
+
+def stochastic_round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+    """float32 → bfloat16, rounded up or down at random so that E[result] = x (for finite x within range).
+
+    bfloat16 keeps the top 16 bits of a float32: adding 16 uniform random bits to the 16 that are dropped carries
+    into the kept part with probability (dropped bits) / 2^16, i.e. the distance to the lower neighbour over the
+    spacing (sign-magnitude, so negative values round likewise in magnitude). Non-finite values round to nearest.
+
+    Example:
+      >>> x = jnp.full((4096,), 1.0 + 2.0 ** -10, jnp.float32)  # an eighth of the way to the next bfloat16
+      >>> y = stochastic_round_bf16(x, jax.random.key(0)).astype(jnp.float32)
+      >>> sorted(set(y.tolist())), round(float(jnp.mean(y == 1.0)), 1)
+      ([1.0, 1.0078125], 0.9)
+    """
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+    rounded = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
+    return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _merge(draw: _Draw, how: tuple[str, bool], u: jax.Array, step: jax.Array, digests: jax.Array,
-           decay: jax.Array | None, weight: jax.Array) -> jax.Array:
+def _merge(draw: _Draw, how: tuple[str, bool, bool], u: jax.Array, step: jax.Array, digests: jax.Array,
+           decay: jax.Array | None, weight: jax.Array, update_step: jax.Array) -> jax.Array:
     t = draw[0]
-    implementation, interpret = how
+    implementation, interpret, stochastic_round = how
+    stochastic = stochastic_round and weight.dtype == jnp.bfloat16
     u = u.reshape(t.num_slices, *t.rows_shape, draw[2])
     w = to_slices(weight, t)
 
@@ -346,10 +379,13 @@ def _merge(draw: _Draw, how: tuple[str, bool], u: jax.Array, step: jax.Array, di
         w_i = w[i]
         if decay is not None:
             w_i = (1.0 + decay.astype(jnp.float32)) * w_i.astype(jnp.float32)
-        if implementation == "pallas":
+        if implementation == "pallas" and not stochastic:
             merged = _slice_merge_kernel(draw, step, u[i], digests[i], w_i, interpret)
         else:
             merged = w_i.astype(jnp.float32) + _slice_delta(draw, step, u[i], digests[i])
+        if stochastic:
+            key = jax.random.fold_in(key_from_digest(draw[1], update_step, digests[i]), _ROUNDING_STREAM)
+            merged = stochastic_round_bf16(merged, key)
         return w.at[i].set(merged.astype(w.dtype))
 
     return _from_slices(jax.lax.fori_loop(0, t.num_slices, body, w), t)

@@ -37,7 +37,7 @@ from logra_jax.optim.targets import (
 DRAW_FIELDS = ("rank", "base_seed", "distribution", "refresh", "refresh_every")
 # The fields a policy-sync payload carries per target (the rules stay on the trainer: the target is sent whole).
 WIRE_FIELDS = ("base_seed", "rank", "distribution", "refresh", "refresh_every", "round_bf16", "implementation",
-               "interpret")
+               "interpret", "stochastic_round")
 
 
 @jax.tree_util.register_static
@@ -59,6 +59,8 @@ class SketchSpec:
       implementation: "xla" (einsums) or "pallas" (fused kernels of logra_jax.kernels) for the sketch-native
         layer and the merge.
       interpret: Pallas only: run the kernels in the Pallas interpreter (required on CPU).
+      stochastic_round: a bfloat16 weight's merge rounds the float32 sum stochastically, keyed by (base seed,
+        step, path), instead of to nearest (`optimizer.weight_dtype="bfloat16"`; float32 weights are unaffected).
 
     Example:
       >>> SketchSpec(rank=8, implementation="pallas", interpret=True).implementation
@@ -74,6 +76,7 @@ class SketchSpec:
     round_bf16: bool = False
     implementation: Implementation = "xla"
     interpret: bool = False
+    stochastic_round: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -88,7 +91,8 @@ class SketchSpec:
                       refresh=bool(self.refresh), refresh_every=every, round_bf16=bool(self.round_bf16),
                       rules=check_rules(self.rules),
                       implementation=check_implementation(self.implementation, "SketchSpec.implementation"),
-                      interpret=check_interpret(self.interpret, "SketchSpec"))
+                      interpret=check_interpret(self.interpret, "SketchSpec"),
+                      stochastic_round=bool(self.stochastic_round))
         for name, value in normal.items():  # frozen: normalised in place (numpy ints → int, a rule list → tuple)
             object.__setattr__(self, name, value)
 

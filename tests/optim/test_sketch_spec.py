@@ -46,7 +46,7 @@ def test_spec_validates_and_normalises():
     assert SketchSpec(rank=4).wire_fields() == {"base_seed": 42, "rank": 4, "distribution": "rademacher",
                                                 "refresh": True, "refresh_every": 1, "round_bf16": False,
                                                 "implementation": "xla",
-                                                "interpret": False}
+                                                "interpret": False, "stochastic_round": False}
     custom = SketchSpec(rank=4, base_seed=9, round_bf16=True, rules=(TargetRule(r"x$"),))
     assert SketchSpec.from_wire(custom.wire_fields()) == dataclasses.replace(custom, rules=SketchSpec().rules)
     with pytest.raises(KeyError, match="interpret"):

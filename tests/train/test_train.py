@@ -4,6 +4,8 @@ import json
 import math
 import shutil
 
+import jax
+import orbax.checkpoint as ocp
 import pytest
 
 import logra_jax.train as train_mod
@@ -180,3 +182,21 @@ def test_separate_rollout_worker_reproduces_colocated_run(tmp_path, tiny_config,
                          for r in read_metrics(tmp_path / f"workers{workers}")]
     assert runs[1] == runs[0]
     assert all(r.get("sync_resyncs", 0) == 0 for r in runs[1])
+
+
+def test_bf16_weights_train_and_the_engine_follows_bit_for_bit(tmp_path, tiny_config, read_metrics):
+    """optimizer.weight_dtype=bfloat16: the trainer stores its matrices in bfloat16 (checkpointed so), the
+    stochastic merges move them, and the rollout engine, merging the same updates, never needs a resync."""
+    config = tiny_config(optimizer={"weight_dtype": "bfloat16", "kl_control": True, "probe_responses": 2},
+                         train={"steps": 2, "checkpoint_every": 2})
+    train_and_evaluate(config, tmp_path, reward_fn=_digit_fraction)
+    steps = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert len(steps) == 2 and all(r["sync_resyncs"] == 0 and math.isfinite(r["loss"]) for r in steps)
+    meta = ocp.PyTreeCheckpointer().metadata(tmp_path / "checkpoints" / "2" / "state")
+    meta = getattr(meta, "item_metadata", meta)
+    dtypes = {leaf.name: str(leaf.dtype) for leaf in jax.tree.leaves(meta) if ".params." in f".{leaf.name}"}
+    kernels = {p: d for p, d in dtypes.items() if p.endswith(("kernel.value", "embedding.value"))}
+    norms = {p: d for p, d in dtypes.items() if p.endswith("scale.value")}
+    assert kernels and set(kernels.values()) == {"bfloat16"}, dtypes
+    assert norms and set(norms.values()) == {"float32"}, dtypes
+

@@ -1,0 +1,185 @@
+"""`hlo_cost`: flops and bytes that follow the loops' trip counts, checked against XLA's own analysis on loop-free
+programs, against hand-counted matmul flops through scans (nested too), and on hand-written HLO for the custom
+calls the CPU compiler never emits (a TPU Pallas kernel's declared cost, cuBLAS, a Triton kernel)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from logra_jax.hlo_cost import hlo_cost, shape_bytes
+
+F32 = jnp.float32
+
+
+def _compiled(fn, *shapes, **jit_kwargs):
+    return jax.jit(fn, **jit_kwargs).lower(*(jax.ShapeDtypeStruct(s, F32) for s in shapes)).compile()
+
+
+def test_loop_free_program_agrees_with_xla_cost_analysis():
+    """Without loops both count the same program: equal flops, transcendentals and bytes accessed."""
+    compiled = _compiled(lambda a, b, c: (jnp.tanh(a @ b) * 2.0 + 1.0) @ c, (32, 64), (64, 128), (128, 16))
+    ours, xla = hlo_cost(compiled.as_text()), compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list | tuple) else xla
+    assert ours.matmul_flops == 2 * 32 * 64 * 128 + 2 * 32 * 128 * 16
+    assert ours.flops == pytest.approx(xla["flops"], rel=0.02)
+    assert ours.transcendentals == xla["transcendentals"] == 32 * 128
+    assert ours.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.02)
+
+
+@pytest.mark.parametrize("layers", [3, 7])
+def test_scan_counts_every_layer_forward_and_backward(layers):
+    """The gradient of a scan of matmuls: 3 matmuls per layer (forward, dx, dW), each 2·m·n·k, every layer.
+    XLA's own analysis counts one iteration per loop whatever `layers` is."""
+    def loss(w, x):
+        return (jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0] ** 2).sum()
+
+    compiled = _compiled(jax.grad(loss), (layers, 64, 64), (32, 64))
+    cost = hlo_cost(compiled.as_text())
+    assert cost.matmul_flops == layers * 3 * 2 * 32 * 64 * 64
+    assert cost.transcendentals == layers * 32 * 64  # tanh once per layer (the backward reuses it)
+    assert cost.unknown_trip_counts == ()
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list | tuple) else xla
+    assert xla["flops"] < cost.flops / 2  # the loop counted once
+
+
+def test_nested_loops_multiply_trip_counts():
+    def f(w, x):
+        def outer(c, wi):
+            return jax.lax.fori_loop(0, 5, lambda _, h: h @ wi, c), None
+        return jax.lax.scan(outer, x, w)[0]
+
+    cost = hlo_cost(_compiled(f, (4, 16, 16), (8, 16)).as_text())
+    assert cost.matmul_flops == 4 * 5 * 2 * 8 * 16 * 16
+
+
+def test_stacked_weights_are_read_once_per_layer_not_whole_each_iteration():
+    """A layer's slice of the stacked [L, d, d] weights is read inside a fusion: bytes grow like L, not L² (a
+    fusion's whole [L, d, d] operand counted per iteration would add ~L·d² per layer). XLA:CPU copies the slice
+    out before its matmul reads it: about 3 slices of traffic per layer."""
+    def f(w, x):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
+    small, large = (hlo_cost(_compiled(f, (n, 128, 128), (8, 128)).as_text()).bytes_accessed for n in (8, 32))
+    weight_bytes = 128 * 128 * 4
+    per_layer = (large - small) / 24
+    assert weight_bytes <= per_layer <= 4 * weight_bytes
+
+
+def test_collective_bytes_on_a_sharded_program():
+    """An all-gather of an [64, 32] f32 array sharded over 8 devices moves the whole array into each device."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    rows, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
+    compiled = jax.jit(lambda a: a * 2.0, in_shardings=rows, out_shardings=whole).lower(
+        jax.ShapeDtypeStruct((64, 32), F32)).compile()
+    assert hlo_cost(compiled.as_text()).collective_bytes == 64 * 32 * 4
+
+
+_CUSTOM_CALLS = """HloModule m
+
+%body (p: (s32[], f32[128,256])) -> (s32[], f32[128,256]) {
+  %p = (s32[], f32[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[128,256]{1,0} get-tuple-element(%p), index=1
+  %w = f32[256,256]{1,0} constant({...})
+  %g = (f32[128,256]{1,0}, s8[1024]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", \
+backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],\
+"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %y = f32[128,256]{1,0} get-tuple-element(%g), index=0
+  %k = f32[128,256]{1,0} custom-call(%y), custom_call_target="tpu_custom_call", \
+backend_config={"custom_call_config": {"body": "x(", "cost_estimate": {\
+"flops": 1000, "transcendentals": 7,
+"bytes_accessed": 5
+}, "serialization_format": 1}}
+  %t = f32[128,256]{1,0} custom-call(%k), custom_call_target="__gpu$xla.gpu.triton", backend_config={}
+  ROOT %r = (s32[], f32[128,256]{1,0}) tuple(%i, %t)
+}
+
+%cond (q: (s32[], f32[128,256])) -> pred[] {
+  %q = (s32[], f32[128,256]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[128,256]) -> (s32[], f32[128,256]) {
+  %a = f32[128,256]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t0 = (s32[], f32[128,256]{1,0}) tuple(%z, %a)
+  %known = (s32[], f32[128,256]{1,0}) while(%t0), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %unknown = (s32[], f32[128,256]{1,0}) while(%known), condition=%cond, body=%body
+}
+""".replace("\\\n", "")
+
+
+def test_custom_calls_cublas_declared_pallas_cost_and_uncounted_triton():
+    """cuBLAS flops from its dot dimension numbers, a TPU Pallas kernel's declared cost_estimate (pretty-printed
+    over several lines, as libtpu prints it), a Triton call listed as uncounted; a loop without a known trip count
+    counts once and is named."""
+    cost = hlo_cost(_CUSTOM_CALLS)
+    per_iteration = 2 * 128 * 256 * 256 + 1000
+    assert cost.matmul_flops == (3 + 1) * per_iteration
+    assert cost.transcendentals == 4 * 7
+    assert cost.unknown_trip_counts == ("unknown",)
+    assert cost.uncounted_custom_calls == ("__gpu$xla.gpu.triton:t",)
+
+
+def test_shape_bytes_and_bad_text():
+    assert shape_bytes("bf16[4,8]{1,0:T(8,128)(2,1)}") == 64
+    assert shape_bytes("(f32[2]{0}, /*index=1*/s32[], pred[3])") == 15
+    with pytest.raises(ValueError, match="ENTRY"):
+        hlo_cost("HloModule empty\n")
+
+
+_COUNTED = """HloModule m
+
+%body (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %p = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,8]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %y = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %r = (s32[], f32[8,8]{1,0}) tuple(%next, %y)
+}
+
+%cond (q: (s32[], f32[8,8])) -> pred[] {
+  %q = (s32[], f32[8,8]{1,0}) parameter(0)
+  %n = s32[] constant(5)
+  %c = s32[] get-tuple-element(%q), index=0
+  ROOT %lt = pred[] compare(%c, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,8]) -> (s32[], f32[8,8]) {
+  %a = f32[8,8]{1,0} parameter(0)
+  %two = s32[] constant(2)
+  %start = s32[] copy(%two)
+  %t0 = (s32[], /*index=1*/f32[8,8]{1,0}) tuple(%start, /*index=1*/%a)
+  ROOT %loop = (s32[], f32[8,8]{1,0}) while(%t0), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_counted_loop_without_annotation_gets_its_trip_count_from_its_condition():
+    """libtpu leaves some `lax.map` loops unannotated: `counter < 5` from a counter starting at 2 runs 3 times."""
+    cost = hlo_cost(_COUNTED)
+    assert cost.matmul_flops == 3 * 2 * 8 * 8 * 8 and cost.unknown_trip_counts == ()
+
+
+@pytest.mark.parametrize(("window", "padding", "lhs_dilation", "groups"), [
+    ((3, 3), ((1, 1), (1, 1)), (1, 1), 1), ((2, 2), ((0, 0), (1, 1)), (2, 1), 1),
+    ((3, 1), ((2, 2), (0, 0)), (1, 1), 2)])
+def test_convolution_flops_count_only_real_input_positions(window, padding, lhs_dilation, groups):
+    """The TPU compiler writes batched matmuls as convolutions with padding and dilation; their multiply-adds are
+    the (output, window) pairs on real input elements, as XLA's own analysis counts them (loop-free here)."""
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), padding, lhs_dilation=lhs_dilation,
+                                            feature_group_count=groups)
+
+    compiled = _compiled(conv, (2, 4, 9, 7), (6, 4 // groups, *window))
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list | tuple) else xla
+    assert hlo_cost(compiled.as_text()).matmul_flops == pytest.approx(xla["flops"], rel=0.01)
