@@ -37,7 +37,7 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(DEV_STAMP) lint
-	$(PY) -m pytest -q -n 2 --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 $(DOCS_STAMP): $(DEV_STAMP) requirements-docs.txt
 	$(PIP) -r requirements-docs.txt

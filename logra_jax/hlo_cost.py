@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -138,8 +139,9 @@ def _elements(shape: str) -> int:
     return math.prod(arrays[0][1]) if arrays else 0
 
 
-def _matching(text: str, start: int) -> int:
-    """Index just past the bracket that closes the one at `start` (brackets inside "strings" do not count)."""
+def _depths(text: str, start: int = 0):
+    """(index, bracket depth after that character) along `text` from `start`; brackets inside "strings" (a
+    backend_config's JSON values) do not count."""
     depth, i, quoted = 0, start, False
     while i < len(text):
         ch = text[i]
@@ -154,9 +156,15 @@ def _matching(text: str, start: int) -> int:
             depth += 1
         elif ch in ")]}":
             depth -= 1
-            if depth == 0:
-                return i + 1
+        yield i, depth
         i += 1
+
+
+def _matching(text: str, start: int) -> int:
+    """Index just past the bracket that closes the one at `start`."""
+    for i, depth in _depths(text, start):
+        if depth == 0:
+            return i + 1
     raise ValueError(f"unbalanced brackets in HLO text: {text[start:start + 200]!r}")
 
 
@@ -192,24 +200,9 @@ def _parse_instr(line: str) -> _Instr | None:
     return _Instr(name, shape, op.group(1), operands, rest[close:])
 
 
-def _depth(text: str) -> int:
-    """Open brackets left unclosed at the end of `text` (outside "strings")."""
-    depth, i, quoted = 0, 0, False
-    while i < len(text):
-        ch = text[i]
-        if quoted:
-            if ch == "\\":
-                i += 1
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        i += 1
-    return depth
+def _unclosed(text: str) -> int:
+    """Brackets left open at the end of `text`."""
+    return functools.reduce(lambda _, step: step[1], _depths(text), 0)
 
 
 def _lines(text: str) -> list[str]:
@@ -218,7 +211,7 @@ def _lines(text: str) -> list[str]:
     out, pending = [], ""
     for line in text.splitlines():
         pending = f"{pending} {line.strip()}" if pending else line
-        if _INSTR.match(pending) and _depth(pending) > 0:
+        if _INSTR.match(pending) and _unclosed(pending):
             continue
         out.append(pending)
         pending = ""

@@ -27,14 +27,14 @@ import orbax.checkpoint as ocp
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 3
-# The demo config, shortened: SFT from a shared cache, 3 RL steps of 8 prompts × 4 samples with KL control, a
+STEPS = 2
+# The demo config, shortened: SFT from a shared cache, 2 RL steps of 8 prompts × 4 samples with KL control, a
 # checkpoint per step; the format bonus gives the still-weak policy rewards that differ within a group, so every
 # step learns.
 OVERRIDES = ("--config.train.mesh_data=2", "--config.train.mesh_fsdp=4", f"--config.train.steps={STEPS}",
              "--config.train.checkpoint_every=1", f"--config.train.keep_checkpoints={STEPS}",
              "--config.task.eval_size=8", "--config.rollout.prompts_per_step=8", "--config.rollout.num_samples=4",
-             "--config.algorithm.format_weight=0.5", "--config.sft.steps=20", "--config.task.train_size=512",
+             "--config.algorithm.format_weight=0.5", "--config.sft.steps=10", "--config.task.train_size=512",
              "--config.sft.train_size=512",
              # the predicted-KL controller, whose probe responses are gathered from every process's rows
              "--config.optimizer.kl_control=True", "--config.optimizer.kl_budget=0.32",
@@ -177,6 +177,10 @@ FAILING = """
 import sys
 from absl import app
 from logra_jax import main, train
+
+# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
+# --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("multihost_main")
 calls = []
 def failing(*args, **kwargs):
     calls.append(1)

@@ -19,6 +19,10 @@ from logra_jax.rl.sampler import Sampler, SamplingConfig
 from logra_jax.transport.rollout_worker import InProcessTransport, WorkerError, WorkerProcessTransport, rollout_engine
 from logra_jax.transport.sync import PolicySync, SyncReply, flat_params
 
+# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
+# --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("sync_worker")
+
 CONFIG = preset("tiny")
 SAMPLING = SamplingConfig(max_new_tokens=8, eos_id=1, pad_id=0, num_samples=2, temperature=1.0)
 PROMPTS = np.array([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13], [0, 0, 0, 40, 41]], np.int32)

@@ -133,6 +133,10 @@ from absl import app
 import logra_jax.train as train
 from logra_jax import main
 
+# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
+# --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("run_lifecycle")
+
 real, calls = train.score_responses, [0]
 
 def score_then_swap_the_directory(*args, **kwargs):
