@@ -192,6 +192,7 @@ def main() -> None:
     if args.tables:
         print(target_tables(args.out / "targets"))
         print(cost_table(args.out / "targets"))
+        print(step_ratio_table(args.out / "targets"))
         plot_targets(args.out / "targets", args.out / "targets.png")
         return
     if args.target != "cpu":
@@ -311,6 +312,34 @@ def cost_table(folder: Path) -> str:
                                  f"{cell['collective_bytes'] / 1e9:.2f} | "
                                  f"{compute * 1e3:.1f} | {memory * 1e3:.1f} | {seconds * 1e3:.1f} | "
                                  + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+PAPER_SEQUENCES_PER_DEVICE = 64  # configs/paper_qwen2.5_math.py: 256 prompts × 1 sample per step over 4 devices
+
+
+def step_ratio_table(folder: Path, per_device: tuple[int, ...] = (1, 8, PAPER_SEQUENCES_PER_DEVICE)) -> str:
+    """Markdown: roofline time of a whole step of M sequences per device, LoGRA+KL ÷ AdamW-targets and LoGRA ÷
+    AdamW-targets, from the one-sequence cells: each microbatch costs the optimizer's one-sequence step (its
+    once-per-step update counted M times: an upper bound), the KL probe (LoGRA+KL − LoGRA) once per step."""
+    lines = ["| target | model @ devices | " + " | ".join(
+        f"M = {m}: LoGRA ÷ AdamW-targets, LoGRA+KL ÷ AdamW-targets" for m in per_device) + " |",
+        "|---" * (2 + len(per_device)) + "|"]
+    for rep in _target_reports(folder):
+        for key, row in rep["cells"].items():
+            times = {}
+            for opt in ("adamw_targets", "logra_sketch_native", "logra_sketch_native_kl"):
+                cell = row.get(opt, {}).get("xla", {})
+                if cell.get("matmul_flops") is not None:
+                    info = aot.target_info(cell["target"])
+                    times[opt] = max(cell["flops"] / info.peak_bf16_flops, cell["bytes_accessed"] / info.hbm_bandwidth)
+            if len(times) < 3:
+                continue
+            probe = times["logra_sketch_native_kl"] - times["logra_sketch_native"]
+            cells = [f"{times['logra_sketch_native'] / times['adamw_targets']:.2f}, "
+                     f"{(m * times['logra_sketch_native'] + probe) / (m * times['adamw_targets']):.2f}"
+                     for m in per_device]
+            lines.append(f"| {rep['target']} | {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
