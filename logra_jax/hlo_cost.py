@@ -81,10 +81,6 @@ class HloCost:
     unknown_trip_counts: tuple[str, ...] = ()  # while loops counted once: no trip count known to the compiler
     uncounted_custom_calls: tuple[str, ...] = ()  # custom calls that declare no flops (e.g. Triton Pallas on GPU)
 
-    def roofline_seconds(self, peak_flops: float, bandwidth: float) -> float:
-        """max(flops / peak FLOP/s, bytes accessed / HBM bandwidth): a lower bound on the step's time."""
-        return max(self.flops / peak_flops, self.bytes_accessed / bandwidth)
-
 
 @dataclasses.dataclass
 class _Instr:

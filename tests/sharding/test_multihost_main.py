@@ -26,6 +26,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
+# --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("multihost_main")
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 # The demo config, shortened: SFT from a shared cache, 2 RL steps of 8 prompts × 4 samples with KL control, a
@@ -177,10 +181,6 @@ FAILING = """
 import sys
 from absl import app
 from logra_jax import main, train
-
-# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
-# --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("multihost_main")
 calls = []
 def failing(*args, **kwargs):
     calls.append(1)

@@ -22,6 +22,10 @@ from logra_jax.checkpoint import CheckpointError
 from logra_jax.lifecycle import RESUME_FIXED, RunPreempted, config_changes, is_fixed
 from logra_jax.train import train_and_evaluate
 
+# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
+# --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("run_lifecycle")
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 
@@ -132,10 +136,6 @@ import os, time
 from absl import app
 import logra_jax.train as train
 from logra_jax import main
-
-# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
-# --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("run_lifecycle")
 
 real, calls = train.score_responses, [0]
 
