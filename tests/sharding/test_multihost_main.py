@@ -48,7 +48,7 @@ MACHINE = ("time", "rss", "bytes_in_use", "peak", "sync_bytes")
 TIMEOUT_S = 240
 # Every run of this module compiles with these (the comparisons are between runs that all do): CI time.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-_CACHE = Path("/nonexistent")  # the module's compilation cache directory (set by the `runs` fixture)
+_CACHE = Path("/nonexistent")  # the module's compilation cache directory (set by the `jit_cache` fixture)
 
 
 def _free_port() -> int:
@@ -125,11 +125,17 @@ def _state(workdir: Path, step: int = STEPS) -> list[tuple[str, np.ndarray]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(reference 1 × 8 workdir, 2 × 4 workdir, shared SFT cache)."""
+def jit_cache(tmp_path_factory):
+    """The module's persistent compilation cache: later runs load what the first ones compiled."""
     global _CACHE
+    _CACHE = tmp_path_factory.mktemp("multihost_jit_cache")
+    return _CACHE
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, jit_cache):
+    """(reference 1 × 8 workdir, 2 × 4 workdir, shared SFT cache)."""
     root = tmp_path_factory.mktemp("multihost_main")
-    _CACHE = root / "jax_cache"
     cache, one, two = root / "sft_cache", root / "one_process", root / "two_processes"
     reference = _start(_command(one, cache), _env(8, (_free_port(), 0, 1)), root / "one_process.log")
     assert _wait([reference], [root / "one_process.log"]) == [0], (root / "one_process.log").read_text()[-3000:]
@@ -193,8 +199,9 @@ app.run(main.main)
 """
 
 
-def test_one_process_failing_stops_the_other_naming_it(runs, tmp_path):
-    _, _, cache = runs
+def test_one_process_failing_stops_the_other_naming_it(jit_cache, tmp_path):
+    # its own SFT (10 steps), not the `runs` fixture's: on another xdist worker that fixture would be rebuilt
+    cache = tmp_path / "sft_cache"
     workdir = tmp_path / "failing"
 
     def command(process_id: int) -> list[str]:
@@ -210,10 +217,10 @@ def test_one_process_failing_stops_the_other_naming_it(runs, tmp_path):
         text[0][-2000:]
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(runs, tmp_path):
+def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(jit_cache, tmp_path):
     """A scheduler preempting one host: the stop request is agreed on at the next step boundary, every process
     writes its share of that step's checkpoint and exits 143 (128 + SIGTERM)."""
-    _, _, cache = runs
+    cache = tmp_path / "sft_cache"  # its own SFT, as in the test above
     workdir = tmp_path / "preempted"
     procs, logs = _two_processes(workdir, cache)
     deadline = time.monotonic() + TIMEOUT_S
