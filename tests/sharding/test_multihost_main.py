@@ -200,12 +200,13 @@ app.run(main.main)
 
 
 def test_one_process_failing_stops_the_other_naming_it(jit_cache, tmp_path):
-    # its own SFT (10 steps), not the `runs` fixture's: on another xdist worker that fixture would be rebuilt
+    # no SFT warm start (what fails is the first RL step's scoring), and not the `runs` fixture: on another xdist
+    # worker that fixture would be rebuilt
     cache = tmp_path / "sft_cache"
     workdir = tmp_path / "failing"
 
     def command(process_id: int) -> list[str]:
-        argv = _command(workdir, cache)
+        argv = [*_command(workdir, cache), "--config.sft.steps=0"]
         return argv if process_id == 0 else [sys.executable, "-c", FAILING, *argv[3:]]
 
     procs, logs = _two_processes(workdir, cache, command=command)
@@ -220,9 +221,9 @@ def test_one_process_failing_stops_the_other_naming_it(jit_cache, tmp_path):
 def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(jit_cache, tmp_path):
     """A scheduler preempting one host: the stop request is agreed on at the next step boundary, every process
     writes its share of that step's checkpoint and exits 143 (128 + SIGTERM)."""
-    cache = tmp_path / "sft_cache"  # its own SFT, as in the test above
+    cache = tmp_path / "sft_cache"  # no SFT warm start, as in the test above
     workdir = tmp_path / "preempted"
-    procs, logs = _two_processes(workdir, cache)
+    procs, logs = _two_processes(workdir, cache, extra=("--config.sft.steps=0",))
     deadline = time.monotonic() + TIMEOUT_S
     log_file = workdir / "log.txt"
     while not (log_file.exists() and "held-out accuracy before RL" in log_file.read_text()):  # RL has started
