@@ -406,10 +406,11 @@ class _Module:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
 
-        def through_bitcasts(name: str) -> list[_Instr]:
+        def through_bitcasts(name: str) -> list[tuple[_Instr, str]]:
+            """(user, the name it reads): the non-bitcast users of `name` and of its bitcasts."""
             out = []
             for user in users.get(name, []):
-                out += through_bitcasts(user.name) if user.op == "bitcast" else [user]
+                out += through_bitcasts(user.name) if user.op == "bitcast" else [(user, name)]
             return out
 
         by_name = {i.name: i for i in body}
@@ -433,9 +434,8 @@ class _Module:
             if name == in_place:
                 continue
             consumers = through_bitcasts(name)
-            if consumers and all(c.op in _SLICES and c.operands[0] in (name, *_bitcast_chain(body, name))
-                                 for c in consumers):
-                read += sum(shape_bytes(c.shape) for c in consumers)
+            if consumers and all(c.op in _SLICES and c.operands[0] == via for c, via in consumers):
+                read += sum(shape_bytes(c.shape) for c, _ in consumers)
             elif index < len(instr.operands):
                 read += shape_bytes(self.operand_shape(comp, instr.operands[index]))
         return read + written
@@ -500,18 +500,6 @@ class _Module:
         else:
             cost.bytes = result + sum(shape_bytes(self.operand_shape(comp, o)) for o in instr.operands)
         return cost
-
-
-def _bitcast_chain(body: list[_Instr], name: str) -> list[str]:
-    """Names that are bitcasts (transitively) of `name` inside a fused computation."""
-    out, frontier = [], [name]
-    while frontier:
-        current = frontier.pop()
-        for i in body:
-            if i.op == "bitcast" and i.operands and i.operands[0] == current:
-                out.append(i.name)
-                frontier.append(i.name)
-    return out
 
 
 def hlo_cost(text: str) -> HloCost:
