@@ -528,3 +528,12 @@ def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = D
 # bytes agree to within 200 bytes (alignment) at Qwen2.5-7B shapes.
 FAST_CPU_COMPILE: Mapping[str, Any] = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                                        "xla_cpu_use_fusion_emitters": False}
+
+
+def xla_flags(options: Mapping[str, Any] = FAST_CPU_COMPILE) -> str:
+    """`options` as XLA_FLAGS text, for a process that must compile every program with them (the tests' jobs).
+
+      >>> xla_flags({"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False})
+      '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
+    """
+    return " ".join(f"--{name}={str(value).lower()}" for name, value in options.items())

@@ -15,7 +15,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from logra_jax.sharding import FAST_CPU_COMPILE
+from logra_jax.sharding import xla_flags
 
 COLAB = Path(__file__).resolve().parents[2] / "colab"
 # Seconds a single cell may run before its notebook fails: a guard against hangs, several times the smoke runs.
@@ -53,8 +53,7 @@ def test_notebook_is_committed_clean(name: str):
 def test_notebook_runs(name: str, jupyter_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # The kernel inherits this environment: the fake CPU devices of conftest.py, plus cheaper XLA:CPU code
     # generation (the compiled programs run a few steps; compile time dominates).
-    fast = " ".join(f"--{key}={str(value).lower()}" for key, value in FAST_CPU_COMPILE.items())
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {fast}".strip())
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {xla_flags()}".strip())
     monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
     monkeypatch.setenv(SMOKE_SWITCH, "1")
     monkeypatch.setenv("LOGRA_DEMO_WORKDIR", str(tmp_path / "demo"))

@@ -26,8 +26,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
-# --dist loadgroup)
+from logra_jax.sharding import FAST_CPU_COMPILE, xla_flags
+
+# every test of the module on one xdist worker (make test's --dist loadgroup), so that its session-scoped fixtures
+# are built once
 pytestmark = pytest.mark.xdist_group("multihost_main")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +49,7 @@ OVERRIDES = ("--config.train.mesh_data=2", "--config.train.mesh_fsdp=4", f"--con
 MACHINE = ("time", "rss", "bytes_in_use", "peak", "sync_bytes")
 TIMEOUT_S = 240
 # Every run of this module compiles with these (the comparisons are between runs that all do): CI time.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE = xla_flags(FAST_CPU_COMPILE)
 _CACHE = Path("/nonexistent")  # the module's compilation cache directory (set by the `jit_cache` fixture)
 
 
@@ -124,7 +126,9 @@ def _state(workdir: Path, step: int = STEPS) -> list[tuple[str, np.ndarray]]:
     return [(jax.tree_util.keystr(k), np.asarray(v)) for k, v in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-@pytest.fixture(scope="module")
+# Session scope, not module: a module-scoped fixture is torn down whenever the worker's next test is in another
+# module, and xdist interleaves other modules' tests between this group's (it was built twice: 82 + 78 s).
+@pytest.fixture(scope="session")
 def jit_cache(tmp_path_factory):
     """The module's persistent compilation cache: later runs load what the first ones compiled."""
     global _CACHE
@@ -132,7 +136,7 @@ def jit_cache(tmp_path_factory):
     return _CACHE
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory, jit_cache):
     """(reference 1 × 8 workdir, 2 × 4 workdir, shared SFT cache)."""
     root = tmp_path_factory.mktemp("multihost_main")

@@ -20,10 +20,11 @@ import pytest
 import logra_jax.train as train_mod
 from logra_jax.checkpoint import CheckpointError
 from logra_jax.lifecycle import RESUME_FIXED, RunPreempted, config_changes, is_fixed
+from logra_jax.sharding import xla_flags
 from logra_jax.train import train_and_evaluate
 
-# its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
-# --dist loadgroup)
+# every test of the module on one xdist worker (make test's --dist loadgroup), so that its session-scoped fixture is
+# built once (session, not module: xdist interleaves other modules' tests, which tears a module fixture down)
 pytestmark = pytest.mark.xdist_group("run_lifecycle")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def write_config(tiny_config, path: Path, **sections) -> Path:
 
 def env() -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    out.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=xla_flags())  # one device, cheap code generation
     return out
 
 
@@ -245,7 +246,7 @@ def test_a_stop_request_during_sft_stops_it_at_the_next_sft_step(tmp_path, tiny_
 # ---------------------------------------------------------------- resume rules
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished_run(tmp_path_factory, tiny_config):
     """A finished 4-step run with checkpoints at 2 and 4."""
     workdir = tmp_path_factory.mktemp("finished")
