@@ -91,31 +91,32 @@ def transfer_matrix(a_old: jax.Array, a_new: jax.Array) -> jax.Array:
     return jax.scipy.linalg.cho_solve(chol, cross.T).T
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _carry(draw: _Draw, m: jax.Array, old_step: jax.Array, new_step: jax.Array, digests: jax.Array) -> jax.Array:
-    """M·T_l for every batch slice l when the draw step changed (else M), one layer's two projections in memory
-    at a time. Jitted whole (the cond included), so that eager use compiles once per target geometry."""
+def _transfer(draw: _Draw, m: jax.Array, old_step: jax.Array, new_step: jax.Array, digests: jax.Array
+              ) -> jax.Array:
+    """M·T_l for every batch slice l, one layer's two projections in memory at a time."""
     t, rank = draw[0], draw[2]
 
-    def transfer(m: jax.Array) -> jax.Array:
-        def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
-            m_l, digest = xs
-            tm = transfer_matrix(slice_projection(draw, old_step, digest), slice_projection(draw, new_step, digest))
-            return jnp.einsum("iz,zy->iy", m_l, tm, precision=_HIGHEST)
+    def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        m_l, digest = xs
+        tm = transfer_matrix(slice_projection(draw, old_step, digest), slice_projection(draw, new_step, digest))
+        return jnp.einsum("iz,zy->iy", m_l, tm, precision=_HIGHEST)
 
-        m_slices = m.reshape(t.num_slices, t.d, rank)
-        return jax.lax.map(one, (m_slices, jnp.asarray(digests, jnp.uint32))).reshape(m.shape)
-
-    return jax.lax.cond(old_step != new_step, transfer, lambda m: m, m)
+    m_slices = m.reshape(t.num_slices, t.d, rank)
+    return jax.lax.map(one, (m_slices, jnp.asarray(digests, jnp.uint32))).reshape(m.shape)
 
 
-def transfer_momentum(m: jax.Array, u: LowRankUpdate, old_step: jax.Array | int) -> jax.Array:
-    """The momentum `m` of u's target, expressed in the projections of draw step `old_step`, carried into those of
-    u's step (`SketchSpec.draw_step(u.step)`) by the transfer of the module docstring; unchanged when they are
-    the same projections."""
-    spec, t = u.spec, u.target
-    draw = (t.geometry, spec.base_seed, spec.rank, spec.distribution)
-    return _carry(draw, m, jnp.asarray(old_step, jnp.int32), spec.draw_step(u.step), digest_words(t.slice_paths))
+@functools.partial(jax.jit, static_argnums=0)
+def _carry_and_blend(draw: _Draw, m: jax.Array, d: jax.Array, b1: jax.Array, old_step: jax.Array,
+                     new_step: jax.Array, digests: jax.Array) -> jax.Array:
+    """β₁·M·T + (1 − β₁)·D when the draw step changed (the transfer of the module docstring), else β₁·M + (1 − β₁)·D.
+    The blend is inside both branches, so the cond's result is the new state itself: a cond around the transfer
+    alone returned a second full-size M (+0.33 GiB at 7B@4). Jitted whole, so that eager use compiles once per
+    target geometry."""
+    def blend(m: jax.Array) -> jax.Array:
+        return b1 * m + (1.0 - b1) * d
+
+    return jax.lax.cond(old_step != new_step, lambda m: blend(_transfer(draw, m, old_step, new_step, digests)),
+                        blend, m)
 
 
 def _momentum_of(tree: dict[str, Any], keys: tuple[str, ...], path: str) -> jax.Array:
@@ -194,8 +195,14 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
                                  f"this stage was built with rank={rank}")
             m = _momentum_of(state.first_moment, u.target.keys, u.target.path)
             basis = u.spec.draw_step(u.step)
-            m = transfer_momentum(m, u, state.basis)
-            m = b1 * m + (1.0 - b1) * u.factor.astype(jnp.float32)
+            spec, t = u.spec, u.target
+            draw = (t.geometry, spec.base_seed, spec.rank, spec.distribution)
+            d = u.factor.astype(jnp.float32)
+            if spec.refresh:  # M ← β₁·transfer(M) + (1 − β₁)·D
+                m = _carry_and_blend(draw, m, d, jnp.asarray(b1, jnp.float32), jnp.asarray(state.basis, jnp.int32),
+                                     basis, digest_words(t.slice_paths))
+            else:  # one fixed projection: nothing to transfer, ever
+                m = b1 * m + (1.0 - b1) * d
             new_moments[u.target.keys] = m
             bases.append(basis)
             return u.replace(factor=m / correction)
