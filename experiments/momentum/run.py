@@ -1,19 +1,24 @@
-"""A first moment for LoGRA across subspace changes (issue 33): a reduced, like-for-like study on the demo task.
+"""A first moment for LoGRA across subspace changes (issue 33): the like-for-like study.
 
 Contenders, all from the same SFT warm start of their seed and on the same batches (experiments/parity's setup; only
-the optimizer differs), LoGRA at today's best rule (per-layer update ratio 3e-3, rank 64, no KL control):
+the optimizer differs), LoGRA at today's best rule (per-layer update ratio, rank 64, no KL control):
   logra-layer            today's best LoGRA: fresh projections every step, no momentum
   logra-layer-m{β}-k{κ}  + `optimizer.momentum` β₁ (logra_jax.optim.momentum), projections held κ steps
                          (`optimizer.refresh_every`; κ = inf: `optimizer.refresh=False`, one fixed projection)
   logra-layer-k{κ}       the refresh period alone, without momentum
-  adamw-targets          AdamW on exactly LoGRA's targets at its best lr (3e-4), the like-for-like reference
-Reduced protocol (the full one — step-size sweep × 2 seeds, then best × 5 — did not fit the shared 2-core CPU):
-every contender at one step size (the parity sweep's best for the no-momentum rule and AdamW), seeds run in order
-(all contenders of seed 0, then of seed 1, ...) so that an interrupted study still holds paired seeds.
+  ...-r{r}               at rank r instead of 64 (the rank phase)
+  adamw-targets          AdamW on exactly LoGRA's targets, the like-for-like reference
+Protocol (experiments/parity's): "sweep" runs each swept contender's per-layer update ratio over RATIOS × seeds 0
+and 1; "best" runs every contender at its best value × seeds 0–4. logra-layer's and AdamW-targets' best values
+are those of experiments/parity's sweep of the same task (4 values × 2 seeds, read from its sweep.json); a
+contender that is not swept here runs at logra-layer's best ratio. "rank" runs r ∈ RANKS × RATIOS × seeds 0–2 for
+the no-momentum rule and the fixed-projection momentum rule, and reports each rank at its best ratio.
 
-Run:  nice -n 10 python -m experiments.momentum.run [--seeds 0 1] [--jobs 1] [--contenders ...] [--report]
-Writes experiments/momentum/demo/results_seeds<seeds>.{json,md} and curves_seeds<seeds>.png; runs in demo/runs/
-(git-ignored; finished runs are reused, so a re-invocation only adds what is missing).
+Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --phase sweep|best|rank [--jobs 2]
+      [--contenders ...] [--seeds ...] [--report]
+Writes experiments/momentum/<task>/{sweep,best,rank}.{json,md} (a phase's contenders accumulate over invocations)
+and best_curves.png / rank.png; runs in <task>/runs/ (git-ignored; finished runs are reused, so a re-invocation only
+adds what is missing). --report starts no run and tabulates what has finished.
 """
 
 from __future__ import annotations
@@ -21,88 +26,229 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.parity.run import task_config, variant
-from experiments.sweep import merged, run_dir, run_sweep
+from experiments.parity import run as parity
+from experiments.sweep import merged, plot_curves, run_dir, run_sweep
 
 HERE = Path(__file__).parent
-RATIO = 3e-3  # logra-layer's best in experiments/parity (demo, 5 seeds)
+RATIOS = (1e-3, 3e-3, 1e-2)
+RANKS = (4, 16, 64)
+SWEEP_SEEDS, BEST_SEEDS, RANK_SEEDS = (0, 1), (0, 1, 2, 3, 4), (0, 1, 2)
+BASE = "logra-layer"
 
 
-def logra_variant(momentum: float, every: int | None) -> dict[str, dict[str, Any]]:
-    """logra-layer at RATIO with momentum β₁ and projections held `every` steps (None: fixed for ever)."""
-    over = variant("logra-layer", RATIO)
+def logra_variant(ratio: float, momentum: float, every: int | None, rank: int = 64) -> dict[str, dict[str, Any]]:
+    """logra-layer at `ratio` with momentum β₁, projections held `every` steps (None: fixed for ever), rank r."""
+    over = parity.variant("logra-layer", ratio)
     refresh = {"refresh": False} if every is None else {"refresh": True, "refresh_every": every}
-    return {"optimizer": {**over["optimizer"], "momentum": momentum, **refresh}}
+    return {"optimizer": {**over["optimizer"], "momentum": momentum, "rank": rank, **refresh}}
 
 
-def _name(momentum: float, every: int | None) -> str:
+def contender_name(momentum: float, every: int | None, rank: int = 64) -> str:
     m = f"-m{momentum:g}" if momentum else ""
     k = "" if every == 1 else f"-k{'inf' if every is None else every}"
-    return f"logra-layer{m}{k}@update_ratio={RATIO:g}"
+    r = "" if rank == 64 else f"-r{rank}"
+    return f"logra-layer{m}{k}{r}"
 
 
-# In order of how much each tells (the order runs are started in, per seed).
-CONTENDERS: dict[str, dict[str, dict[str, Any]]] = {
-    _name(0.0, 1): logra_variant(0.0, 1),
-    _name(0.9, 10): logra_variant(0.9, 10),
-    _name(0.9, None): logra_variant(0.9, None),
-    _name(0.9, 1): logra_variant(0.9, 1),
-    "adamw-targets@learning_rate=0.0003": variant("adamw-targets", 3e-4),
-    _name(0.0, 10): logra_variant(0.0, 10),
-    _name(0.0, None): logra_variant(0.0, None),
+# contender → (swept here?, builder of the overrides at a step size). In order of how much each tells.
+Builder = Callable[[float], dict[str, dict[str, Any]]]
+CONTENDERS: dict[str, tuple[bool, Builder]] = {
+    BASE: (False, lambda v: logra_variant(v, 0.0, 1)),
+    contender_name(0.9, None): (True, lambda v: logra_variant(v, 0.9, None)),
+    contender_name(0.9, 10): (True, lambda v: logra_variant(v, 0.9, 10)),
+    "adamw-targets": (False, lambda v: parity.variant("adamw-targets", v)),
+    contender_name(0.9, 1): (False, lambda v: logra_variant(v, 0.9, 1)),
+    contender_name(0.0, None): (False, lambda v: logra_variant(v, 0.0, None)),
+    contender_name(0.0, 10): (False, lambda v: logra_variant(v, 0.0, 10)),
 }
+# the rank phase's rules: name → (β₁, κ)
+RANK_RULES = {"fresh": (0.0, 1), "m0.9-kinf": (0.9, None)}
+RULE_LABELS = {"fresh": "per-layer ratio, fresh projections", "m0.9-kinf": "+ momentum 0.9, fixed projection"}
 
 
-def results_table(results: dict[str, Any], seeds: list[int]) -> str:
-    """Per contender: held-out before/after (mean ± std over seeds), per seed, paired gain over logra-layer."""
-    base = results["variants"].get(_name(0.0, 1))
-    lines = ["| contender | seeds | held-out before | held-out after, mean ± std | per seed | paired vs logra-layer "
-             "(points) | largest drop | step time (s) |", "|---" * 8 + "|"]
+def rank_contender(rule: str, rank: int) -> str:
+    momentum, every = RANK_RULES[rule]
+    return contender_name(momentum, every, rank)
+
+
+def field(contender: str) -> str:
+    return "learning_rate" if contender.startswith("adamw") else "update_ratio"
+
+
+def cell(contender: str, value: float) -> str:
+    return f"{contender}@{field(contender)}={value:g}"
+
+
+def parity_best(task: str) -> dict[str, float]:
+    """logra-layer's and AdamW-targets' best step sizes in experiments/parity's sweep of `task`."""
+    sweep = json.loads((parity.HERE / task / "sweep.json").read_text())
+    best = parity.best_values(sweep)
+    return {BASE: best["logra-layer"], "adamw-targets": best["adamw-targets"]}
+
+
+def finished(out: Path, name: str, seeds: tuple[int, ...]) -> bool:
+    return all((run_dir(out, name, seed) / "summary.json").exists() for seed in seeds)
+
+
+def mean_after(out: Path, name: str, seeds: tuple[int, ...]) -> float:
+    return statistics.fmean(json.loads((run_dir(out, name, s) / "summary.json").read_text())["accuracy_after"]
+                            for s in seeds)
+
+
+def best_value(out: Path, contender: str, grid: tuple[float, ...], seeds: tuple[int, ...]) -> float | None:
+    """The grid value with the highest mean final held-out accuracy over `seeds` (finished runs only)."""
+    means = {v: mean_after(out, cell(contender, v), seeds) for v in grid if finished(out, cell(contender, v), seeds)}
+    return max(means, key=means.get) if means else None
+
+
+def sweep_table(results: dict[str, Any]) -> str:
+    lines = ["| contender | step size | held-out after, per seed | mean | largest drop |", "|---" * 5 + "|"]
+    for name, v in results["variants"].items():
+        accs = [p["accuracy_after"] for p in v["seeds"]]
+        contender, setting = name.split("@")
+        lines.append(f"| {contender} | {setting} | {', '.join(f'{a:.3f}' for a in accs)} | "
+                     f"{statistics.fmean(accs):.3f} | {max(p['largest_drop'] for p in v['seeds']):.3f} |")
+    return "\n".join(lines)
+
+
+def paired(v: dict[str, Any], ref: dict[str, Any] | None) -> tuple[str, str]:
+    """v's held-out after minus ref's on the seeds both ran (points): per seed, and their mean."""
+    if ref is None or v is ref:
+        return "–", "–"
+    by_seed = {p["seed"]: p["accuracy_after"] for p in ref["seeds"]}
+    diffs = [100 * (p["accuracy_after"] - by_seed[p["seed"]]) for p in v["seeds"] if p["seed"] in by_seed]
+    return ", ".join(f"{d:+.1f}" for d in diffs), f"{statistics.fmean(diffs):+.1f}" if diffs else "–"
+
+
+def best_table(results: dict[str, Any], references: tuple[str, ...]) -> str:
+    """Per contender: held-out before/after (mean ± std over seeds), per seed, paired differences against each
+    of `references` (cells of the same results)."""
+    refs = [(r.split("@")[0], results["variants"].get(r)) for r in references]
+    head = " | ".join(f"paired vs {name} (points) | mean" for name, _ in refs)
+    lines = [f"| contender (best step size) | seeds | held-out before | held-out after, mean ± std | per seed | "
+             f"{head} | largest drop | step time (s) |", "|---" * (7 + 2 * len(refs)) + "|"]
     for name, v in results["variants"].items():
         after = [p["accuracy_after"] for p in v["seeds"]]
         before = [p["accuracy_before"] for p in v["seeds"]]
-        paired = "–"
-        if base is not None and name != _name(0.0, 1):
-            ref = {p["seed"]: p["accuracy_after"] for p in base["seeds"]}
-            diffs = [100 * (p["accuracy_after"] - ref[p["seed"]]) for p in v["seeds"] if p["seed"] in ref]
-            paired = ", ".join(f"{d:+.1f}" for d in diffs)
+        cols = " | ".join(" | ".join(paired(v, ref)) for _, ref in refs)
         sd = statistics.stdev(after) if len(after) > 1 else 0.0
         times = [p["step_time_median"] for p in v["seeds"]]
         lines.append(f"| {name} | {len(after)} | {statistics.fmean(before):.3f} | {statistics.fmean(after):.3f} ± "
-                     f"{sd:.3f} | {', '.join(f'{a:.3f}' for a in after)} | {paired} | "
-                     f"{max(p['largest_drop'] for p in v['seeds']):.3f} | {statistics.fmean(times):.2f} |")
+                     f"{sd:.3f} | {', '.join(f'{a:.3f}' for a in after)} | {cols} | "
+                     f"{max(p['largest_drop'] for p in v['seeds']):.3f} | {statistics.median(times):.2f} |")
     return "\n".join(lines)
+
+
+def rank_table(results: dict[str, Any]) -> str:
+    """Per rule and rank: mean held-out after at each ratio (seeds RANK_SEEDS), and the best."""
+    lines = ["| rule | rank | " + " | ".join(f"ratio {v:g}" for v in RATIOS) + " | best (mean ± std) |",
+             "|---" * (3 + len(RATIOS)) + "|"]
+    for rule in RANK_RULES:
+        for rank in RANKS:
+            contender = rank_contender(rule, rank)
+            cells, best = [], None
+            for v in RATIOS:
+                run = results["variants"].get(cell(contender, v))
+                if run is None:
+                    cells.append("–")
+                    continue
+                mean, sd = run["mean_std"]["accuracy_after"]
+                cells.append(f"{mean:.3f}")
+                if best is None or mean > best[1]:
+                    best = (v, mean, sd)
+            label = RULE_LABELS[rule]
+            tail = "–" if best is None else f"{best[1]:.3f} ± {best[2]:.3f} at {best[0]:g}"
+            lines.append(f"| {label} | {rank} | " + " | ".join(cells) + f" | {tail} |")
+    return "\n".join(lines)
+
+
+def plot_rank(results: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, rule in enumerate(RANK_RULES):
+        xs, ys, errs = [], [], []
+        for rank in RANKS:
+            contender = rank_contender(rule, rank)
+            runs = [results["variants"][cell(contender, v)] for v in RATIOS if cell(contender, v) in
+                    results["variants"]]
+            if runs:
+                best = max(runs, key=lambda r: r["mean_std"]["accuracy_after"][0])
+                xs.append(rank)
+                ys.append(best["mean_std"]["accuracy_after"][0])
+                errs.append(best["mean_std"]["accuracy_after"][1])
+        label = RULE_LABELS[rule]
+        ax.errorbar(xs, ys, yerr=errs, fmt="o-", color=f"C{i}", capsize=3, label=label)
+    ax.set(xscale="log", xticks=list(RANKS), xticklabels=[str(r) for r in RANKS], xlabel="rank r",
+           ylabel="final held-out accuracy (best ratio, mean ± std)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--task", default="demo", choices=("demo", "three_digit"))
+    parser.add_argument("--phase", default="sweep", choices=("sweep", "best", "rank"))
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
-    parser.add_argument("--report", action="store_true",
-                        help="start no run: tabulate the contenders whose runs of every --seeds have finished")
+    parser.add_argument("--rules", nargs="+", default=list(RANK_RULES), choices=list(RANK_RULES),
+                        help="the rank phase's rules")
+    parser.add_argument("--seeds", type=int, nargs="+", help="instead of the phase's seeds (a reduced run)")
+    parser.add_argument("--report", action="store_true", help="start no run: tabulate what has finished")
     args = parser.parse_args()
-    out = HERE / "demo"
-    base = merged(task_config("demo"), {"sft": {"cache_dir": str(out / "runs" / "sft_cache")}})
-    variants = {name: CONTENDERS[name] for name in args.contenders}
-    if args.report:
-        variants = {name: v for name, v in variants.items()
-                    if all((run_dir(out, name, seed) / "summary.json").exists() for seed in args.seeds)}
+    out = HERE / args.task
+    base = merged(parity.task_config(args.task), {"sft": {"cache_dir": str(out / "runs" / "sft_cache")}})
+    fixed = parity_best(args.task)
+    title = f"{args.task} task: LoGRA with momentum / held projections"
+
+    if args.phase == "sweep":
+        seeds = SWEEP_SEEDS
+        variants = {cell(c, v): CONTENDERS[c][1](v) for c in args.contenders if CONTENDERS[c][0] for v in RATIOS}
+    elif args.phase == "best":
+        seeds = BEST_SEEDS
+        variants = {}
+        for c in args.contenders:
+            value = best_value(out, c, RATIOS, SWEEP_SEEDS) if CONTENDERS[c][0] else fixed.get(c, fixed[BASE])
+            if value is None:
+                print(f"{c}: no finished sweep yet (run --phase sweep first); left out")
+                continue
+            variants[cell(c, value)] = CONTENDERS[c][1](value)
     else:
-        for seed in args.seeds:  # seed by seed, so an interrupted study still holds paired seeds
-            run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"seed{seed}_last")
-    tag = "seeds" + "".join(map(str, args.seeds))
-    title = f"demo task, seeds {', '.join(map(str, args.seeds))}: LoGRA with momentum / held projections"
-    results = run_sweep(base, variants, args.seeds, out, jobs=args.jobs, step_memory=False, title=title,
-                        name=f"results_{tag}")
-    results["command"] = "nice -n 10 python -m experiments.momentum.run " + " ".join(
-        ["--seeds", *map(str, args.seeds), "--jobs", str(args.jobs), *(["--report"] if args.report else [])])
-    (out / f"results_{tag}.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = results_table(results, args.seeds)
-    (out / f"results_{tag}.md").write_text(text + "\n")
+        seeds = RANK_SEEDS
+        variants = {cell(rank_contender(rule, r), v): logra_variant(v, m, k, r)
+                    for rule, (m, k) in RANK_RULES.items() if rule in args.rules for r in RANKS for v in RATIOS}
+    seeds = tuple(args.seeds) if args.seeds else seeds
+    if args.report:
+        variants = {name: v for name, v in variants.items() if finished(out, name, seeds)}
+    else:
+        for seed in seeds:  # seed by seed, so an interrupted study still holds paired seeds
+            run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last")
+    results = run_sweep(base, variants, seeds, out, jobs=args.jobs, step_memory=False,
+                        title=f"{title}: {args.phase}", name=f"runs/{args.phase}_all")
+    results["command"] = (f"nice -n 10 python -m experiments.momentum.run --task {args.task} --phase {args.phase}"
+                          f" --jobs {args.jobs} --contenders {' '.join(args.contenders)}"
+                          + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""))
+    # with the contenders of earlier invocations of the phase (each phase's contenders can be run separately)
+    results = parity.merge_into(out / f"{args.phase}.json", results)
+    if args.phase == "sweep":
+        text = sweep_table(results)
+    elif args.phase == "best":
+        text = best_table(results, (cell(BASE, fixed[BASE]), cell("adamw-targets", fixed["adamw-targets"])))
+        full = [n for n, v in results["variants"].items() if len(v["seeds"]) == len(BEST_SEEDS)]
+        plot_curves(out, dict.fromkeys(full), BEST_SEEDS, f"{title}: best settings", filename="best_curves.png")
+    else:
+        text = rank_table(results)
+        plot_rank(results, out / "rank.png", f"{args.task}: rank at each rule's best ratio ({len(seeds)} seeds)")
+    (out / f"{args.phase}.md").write_text(text + "\n")
     print(text)
 
 
