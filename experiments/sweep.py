@@ -40,6 +40,17 @@ def merged(base: Mapping[str, Any], overrides: Overrides) -> dict[str, Any]:
     return out
 
 
+# configs/demo.py runs LoGRA with a first moment and one fixed projection since issue 33's study; the studies here
+# start from the demo without them (fresh projections every step, no momentum, the rule they were run with), and a
+# contender that wants the momentum says so.
+DEMO_WITHOUT_MOMENTUM: Overrides = {"optimizer": {"momentum": 0.0, "refresh": True}}
+
+
+def demo_base() -> dict[str, Any]:
+    """configs/demo.py as the studies' base: DEMO_WITHOUT_MOMENTUM over it."""
+    return merged(load_config(DEMO_CONFIG), DEMO_WITHOUT_MOMENTUM)
+
+
 def _exit_with_parent(poll_s: float = 2.0) -> None:
     """Exit this worker process when the sweep that spawned it is gone (killed or crashed): a pool worker busy in a
     run would otherwise keep training, unseen, on the cores of whatever runs next."""
@@ -233,8 +244,9 @@ def cli(description: str, variants: Mapping[str, Overrides], *, default_seeds: S
     parser.add_argument("--out-dir", type=Path, default=out_dir)
     args = parser.parse_args()
     chosen = {name: variants[name] for name in args.variants}
-    results = run_sweep(load_config(base_config, base_arg), chosen, args.seeds, args.out_dir, jobs=args.jobs,
-                        title=title)
+    base = demo_base() if Path(base_config) == DEMO_CONFIG and base_arg is None else load_config(base_config,
+                                                                                                  base_arg)
+    results = run_sweep(base, chosen, args.seeds, args.out_dir, jobs=args.jobs, title=title)
     text = table(results)
     if extra_table is not None:
         text += "\n\n" + extra_table(results, args.out_dir)

@@ -15,7 +15,7 @@ contender that is not swept here runs at logra-layer's best ratio. "rank" runs r
 the no-momentum rule and the fixed-projection momentum rule, and reports each rank at its best ratio.
 
 Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --phase sweep|best|rank [--jobs 2]
-      [--contenders ...] [--seeds ...] [--report]
+      [--contenders ...] [--seeds ...] [--ratios ...] [--report]
 Writes experiments/momentum/<task>/{sweep,best,rank}.{json,md} (a phase's contenders accumulate over invocations)
 and best_curves.png / rank.png; runs in <task>/runs/ (git-ignored; finished runs are reused, so a re-invocation only
 adds what is missing). --report starts no run and tabulates what has finished.
@@ -203,6 +203,8 @@ def main() -> None:
     parser.add_argument("--rules", nargs="+", default=list(RANK_RULES), choices=list(RANK_RULES),
                         help="the rank phase's rules")
     parser.add_argument("--seeds", type=int, nargs="+", help="instead of the phase's seeds (a reduced run)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS),
+                        help="sweep: the ratios (extend the grid where its edge wins); best: the ratios to choose from")
     parser.add_argument("--report", action="store_true", help="start no run: tabulate what has finished")
     args = parser.parse_args()
     out = HERE / args.task
@@ -212,12 +214,14 @@ def main() -> None:
 
     if args.phase == "sweep":
         seeds = SWEEP_SEEDS
-        variants = {cell(c, v): CONTENDERS[c][1](v) for c in args.contenders if CONTENDERS[c][0] for v in RATIOS}
+        variants = {cell(c, v): CONTENDERS[c][1](v) for c in args.contenders if CONTENDERS[c][0]
+                    for v in args.ratios}
     elif args.phase == "best":
         seeds = BEST_SEEDS
         variants = {}
         for c in args.contenders:
-            value = best_value(out, c, RATIOS, SWEEP_SEEDS) if CONTENDERS[c][0] else fixed.get(c, fixed[BASE])
+            grid = tuple(args.ratios)
+            value = best_value(out, c, grid, SWEEP_SEEDS) if CONTENDERS[c][0] else fixed.get(c, fixed[BASE])
             if value is None:
                 print(f"{c}: no finished sweep yet (run --phase sweep first); left out")
                 continue

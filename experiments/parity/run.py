@@ -36,7 +36,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from experiments.sweep import DEMO_CONFIG, load_config, merged, plot_curves, run_sweep
+from experiments.sweep import demo_base, merged, plot_curves, run_sweep
 
 HERE = Path(__file__).parent
 # Every LoGRA contender states its step rule in full (kl_control, ratio_scope), so that none depends on what
@@ -73,7 +73,7 @@ SWEEP_SEEDS, BEST_SEEDS = (0, 1), (0, 1, 2, 3, 4)
 
 def task_config(task: str) -> dict[str, Any]:
     """The base config of a task (demo's model, RL and SFT settings; the task and SFT problems differ)."""
-    base = load_config(DEMO_CONFIG)
+    base = demo_base()
     if task == "three_digit":
         base = merged(base, {"task": {"difficulty": 3, "carries": "some"},
                              "sft": {"difficulty": 3, "carries": "none"}})
