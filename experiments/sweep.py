@@ -115,13 +115,46 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def same_run_key(overrides: Mapping[str, Any]) -> str:
+    """The overrides as canonical JSON, without SFT cache paths (where a warm start is stored, not what it is)."""
+    plain = json.loads(json.dumps(overrides))
+    if isinstance(plain.get("sft"), dict):
+        plain["sft"].pop("cache_dir", None)
+    return json.dumps(plain, sort_keys=True)
+
+
+def recorded_points(paths: Sequence[Path]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The per-seed points of earlier sweeps' results files (run_sweep's JSON, committed, while their run
+    directories are not), keyed by (canonical overrides, seed); a point names the file it came from. The first
+    file holding a (configuration, seed) wins. Only for files written from the same base config as the sweep that
+    reuses them: the overrides are all that is compared."""
+    points: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in paths:
+        if not Path(path).exists():
+            continue
+        for v in json.loads(Path(path).read_text())["variants"].values():
+            key = same_run_key(v["overrides"])
+            for p in v["seeds"]:
+                points.setdefault((key, p["seed"]), {**p, "recorded_in": p.get("recorded_in", Path(path).name)})
+    return points
+
+
 def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds: Sequence[int], out_dir: Path, *,
               jobs: int = 2, title: str = "", log: Callable[[str], None] = print, step_memory: bool = True,
-              name: str = "results") -> dict[str, Any]:
+              name: str = "results", reuse: Sequence[Path] = ()) -> dict[str, Any]:
     """Run every (variant, seed) and write out_dir/{<name>.json, <name>_curves.png} (results.json and curves.png
-    by default); returns the results. step_memory=False skips each run's compile-only step bytes."""
+    by default); returns the results. step_memory=False skips each run's compile-only step bytes. reuse: results
+    files of earlier sweeps from the same base config (see recorded_points); a (variant, seed) whose overrides
+    and seed one of them holds is taken from there, not run again, and its point says which file it came from."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells = [(name, seed) for name in variants for seed in seeds]
+    recorded = recorded_points(reuse)
+    known = {(n, seed): recorded[(same_run_key(variants[n]), seed)] for n in variants for seed in seeds
+             if (same_run_key(variants[n]), seed) in recorded
+             and not (run_dir(out_dir, n, seed) / "summary.json").exists()}
+    cells = [(name, seed) for name in variants for seed in seeds if (name, seed) not in known]
+    if known:
+        log(f"{len(known)} of {len(known) + len(cells)} runs taken from recorded results: "
+            + ", ".join(f"{n} seed {seed} ({p['recorded_in']})" for (n, seed), p in known.items()))
     start = time.perf_counter()
     summaries: dict[tuple[str, int], dict[str, Any]] = {}
     ctx = multiprocessing.get_context("spawn")
@@ -145,6 +178,9 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
     for variant, overrides in variants.items():
         per_seed = []
         for seed in seeds:
+            if (variant, seed) in known:
+                per_seed.append(known[(variant, seed)])
+                continue
             s = summaries[(variant, seed)]
             rows = run_metrics(out_dir, variant, seed)
             steps = [r for r in rows if "loss" in r]
@@ -165,7 +201,8 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
         results["variants"][variant] = {"overrides": {k: dict(v) for k, v in overrides.items()}, "seeds": per_seed,
                                      "mean_std": agg}
     (out_dir / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot_curves(out_dir, variants, seeds, title, filename=f"{name.replace('results', 'curves')}.png")
+    if not known:  # the curves need every run's metrics; recorded points have none here
+        plot_curves(out_dir, variants, seeds, title, filename=f"{name.replace('results', 'curves')}.png")
     log(f"sweep done in {time.perf_counter() - start:.0f} s")
     return results
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.parity import run as parity
-from experiments.sweep import merged, plot_curves, run_dir, run_sweep
+from experiments.sweep import merged, plot_curves, recorded_points, run_dir, run_sweep, same_run_key
 
 HERE = Path(__file__).parent
 RATIOS = (1e-3, 3e-3, 1e-2)
@@ -90,18 +90,31 @@ def parity_best(task: str) -> dict[str, float]:
     return {BASE: best["logra-layer"], "adamw-targets": best["adamw-targets"]}
 
 
-def finished(out: Path, name: str, seeds: tuple[int, ...]) -> bool:
-    return all((run_dir(out, name, seed) / "summary.json").exists() for seed in seeds)
+def recorded(out: Path) -> list[Path]:
+    """The task's results files, committed while the runs are not: a run they hold is not run again."""
+    return [out / f"{phase}.json" for phase in ("sweep", "best", "rank")]
 
 
-def mean_after(out: Path, name: str, seeds: tuple[int, ...]) -> float:
-    return statistics.fmean(json.loads((run_dir(out, name, s) / "summary.json").read_text())["accuracy_after"]
-                            for s in seeds)
+def accuracy_after(out: Path, name: str, overrides: dict[str, Any], seed: int) -> float | None:
+    """The run's final held-out accuracy, from its run directory or the task's results files; None if neither."""
+    path = run_dir(out, name, seed) / "summary.json"
+    if path.exists():
+        return json.loads(path.read_text())["accuracy_after"]
+    point = recorded_points(recorded(out)).get((same_run_key(overrides), seed))
+    return None if point is None else point["accuracy_after"]
+
+
+def finished(out: Path, name: str, overrides: dict[str, Any], seeds: tuple[int, ...]) -> bool:
+    return all(accuracy_after(out, name, overrides, seed) is not None for seed in seeds)
 
 
 def best_value(out: Path, contender: str, grid: tuple[float, ...], seeds: tuple[int, ...]) -> float | None:
     """The grid value with the highest mean final held-out accuracy over `seeds` (finished runs only)."""
-    means = {v: mean_after(out, cell(contender, v), seeds) for v in grid if finished(out, cell(contender, v), seeds)}
+    means = {}
+    for v in grid:
+        accs = [accuracy_after(out, cell(contender, v), CONTENDERS[contender][1](v), s) for s in seeds]
+        if None not in accs:
+            means[v] = statistics.fmean(accs)
     return max(means, key=means.get) if means else None
 
 
@@ -232,12 +245,13 @@ def main() -> None:
                     for rule, (m, k) in RANK_RULES.items() if rule in args.rules for r in RANKS for v in RATIOS}
     seeds = tuple(args.seeds) if args.seeds else seeds
     if args.report:
-        variants = {name: v for name, v in variants.items() if finished(out, name, seeds)}
+        variants = {name: v for name, v in variants.items() if finished(out, name, v, seeds)}
     else:
         for seed in seeds:  # seed by seed, so an interrupted study still holds paired seeds
-            run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last")
+            run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last",
+                      reuse=recorded(out))
     results = run_sweep(base, variants, seeds, out, jobs=args.jobs, step_memory=False,
-                        title=f"{title}: {args.phase}", name=f"runs/{args.phase}_all")
+                        title=f"{title}: {args.phase}", name=f"runs/{args.phase}_all", reuse=recorded(out))
     results["command"] = (f"nice -n 10 python -m experiments.momentum.run --task {args.task} --phase {args.phase}"
                           f" --jobs {args.jobs} --contenders {' '.join(args.contenders)}"
                           + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""))
@@ -247,7 +261,8 @@ def main() -> None:
         text = sweep_table(results)
     elif args.phase == "best":
         text = best_table(results, (cell(BASE, fixed[BASE]), cell("adamw-targets", fixed["adamw-targets"])))
-        full = [n for n, v in results["variants"].items() if len(v["seeds"]) == len(BEST_SEEDS)]
+        full = [n for n, v in results["variants"].items() if len(v["seeds"]) == len(BEST_SEEDS)
+                and all((run_dir(out, n, s) / "metrics.jsonl").exists() for s in BEST_SEEDS)]  # curves need runs
         plot_curves(out, dict.fromkeys(full), BEST_SEEDS, f"{title}: best settings", filename="best_curves.png")
     else:
         text = rank_table(results)

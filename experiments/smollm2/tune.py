@@ -27,7 +27,8 @@ from typing import Any
 
 from experiments.parity.run import merge_into
 from experiments.smollm2.parity import COMMON, CONFIG
-from experiments.sweep import load_config, run_dir, run_sweep
+from experiments.smollm2.parity import OUT as PARITY_OUT
+from experiments.sweep import load_config, recorded_points, run_dir, run_sweep, same_run_key
 
 HERE = Path(__file__).parent
 OUT = HERE / "tune"
@@ -47,21 +48,36 @@ def cell(contender: str, value: float) -> str:
     return f"{contender}@{CONTENDERS[contender][0]}={value:g}"
 
 
+def split(name: str) -> tuple[str, float]:
+    """cell's inverse: (contender, value)."""
+    contender, setting = name.split("@")
+    return contender, float(setting.split("=")[1])
+
+
 def overrides(contender: str, value: float) -> dict[str, Any]:
     name, _, fixed = CONTENDERS[contender]
     return {**COMMON, "optimizer": {**fixed, name: value}}
 
 
-def accuracy_after(name: str, seed: int) -> float | None:
-    path = run_dir(OUT, name, seed) / "summary.json"
-    return json.loads(path.read_text())["accuracy_after"] if path.exists() else None
+# Results files whose runs are not run again (committed, while the run directories are not): this study's phases
+# and parity.py's matched runs, which are these contenders' middle grid values with the same settings.
+RECORDED = [OUT / f"{phase}.json" for phase in ("matched", "sweep", "best")] + [PARITY_OUT / "results.json"]
+
+
+def accuracy_after(contender: str, value: float, seed: int) -> float | None:
+    """The run's final held-out accuracy, from its run directory or a RECORDED file; None if neither holds it."""
+    path = run_dir(OUT, cell(contender, value), seed) / "summary.json"
+    if path.exists():
+        return json.loads(path.read_text())["accuracy_after"]
+    point = recorded_points(RECORDED).get((same_run_key(overrides(contender, value)), seed))
+    return None if point is None else point["accuracy_after"]
 
 
 def best_value(contender: str) -> float | None:
     """The grid value with the highest mean held-out accuracy over the sweep's seeds (finished runs only)."""
     means = {}
     for v in CONTENDERS[contender][1]:
-        accs = [accuracy_after(cell(contender, v), s) for s in SWEEP_SEEDS]
+        accs = [accuracy_after(contender, v, s) for s in SWEEP_SEEDS]
         if None not in accs:
             means[v] = statistics.fmean(accs)
     return max(means, key=means.get) if means else None
@@ -104,12 +120,14 @@ def main() -> None:
         variants = {cell(c, v): overrides(c, v) for c, v in chosen.items() if v is not None}
     seeds = tuple(args.seeds) if args.seeds else seeds
     if args.report:
-        variants = {n: v for n, v in variants.items() if all(accuracy_after(n, s) is not None for s in seeds)}
+        variants = {n: v for n, v in variants.items()
+                    if all(accuracy_after(*split(n), s) is not None for s in seeds)}
     else:
         for seed in seeds:  # seed by seed: an interrupted study still holds paired seeds
-            run_sweep(base, variants, [seed], OUT, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last")
+            run_sweep(base, variants, [seed], OUT, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last",
+                      reuse=RECORDED)
     results = run_sweep(base, variants, seeds, OUT, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_all",
-                        title=f"SmolLM2-135M-Instruct, step sizes tuned: {args.phase}")
+                        title=f"SmolLM2-135M-Instruct, step sizes tuned: {args.phase}", reuse=RECORDED)
     results["command"] = (f"nice -n 10 python -m experiments.smollm2.tune --phase {args.phase} --jobs {args.jobs} "
                           f"--contenders {' '.join(args.contenders)}"
                           + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""))

@@ -1,0 +1,56 @@
+"""experiments/sweep.py's reuse of recorded results: a (variant, seed) whose configuration a committed results file
+already holds is taken from it, not run again; any other difference in the configuration is a different run."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("experiments_sweep", ROOT / "experiments" / "sweep.py")
+sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweep)
+
+ADAMW = {"sft": {"steps": 40, "cache_dir": "/old/checkout/sft_cache"},
+         "optimizer": {"name": "adamw", "learning_rate": 1e-5}}
+
+
+def _point(seed: int, after: float) -> dict:
+    return {"seed": seed, "accuracy_before": 0.25, "accuracy_after": after, "gain": after - 0.25,
+            "final_reward": 0.5, "step_time_median": 1.0, "peak_rss_bytes": 1, "step_bytes": -1, "seconds": 9.0,
+            "kl_realised_median": None, "largest_drop": 0.0}
+
+
+def _write(path: Path, name: str, overrides: dict, points: list[dict]) -> Path:
+    path.write_text(json.dumps({"title": "", "seeds": [p["seed"] for p in points],
+                                "variants": {name: {"overrides": overrides, "seeds": points, "mean_std": {}}}}))
+    return path
+
+
+def test_a_recorded_run_is_reused_whatever_its_name_or_cache_path(tmp_path):
+    recorded = _write(tmp_path / "old.json", "adamw-targets", ADAMW, [_point(0, 0.5), _point(1, 0.75)])
+    # the same configuration under another name, its keys in another order, its SFT cache elsewhere
+    same = {"optimizer": {"learning_rate": 1e-5, "name": "adamw"}, "sft": {"cache_dir": "/here", "steps": 40}}
+    logs = []
+    results = sweep.run_sweep({}, {"adamw@learning_rate=1e-05": same}, [0, 1], tmp_path / "out", jobs=1,
+                              step_memory=False, reuse=[tmp_path / "missing.json", recorded], log=logs.append)
+    points = results["variants"]["adamw@learning_rate=1e-05"]["seeds"]
+    assert [(p["seed"], p["accuracy_after"], p["recorded_in"]) for p in points] == [(0, 0.5, "old.json"),
+                                                                                   (1, 0.75, "old.json")]
+    assert "2 of 2 runs taken from recorded results" in logs[0]
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["variants"]["adamw@learning_rate=1e-05"]
+
+
+def test_a_different_setting_or_seed_is_not_the_recorded_run(tmp_path):
+    recorded = sweep.recorded_points([_write(tmp_path / "old.json", "a", ADAMW, [_point(0, 0.5)])])
+    key = sweep.same_run_key(ADAMW)
+    assert (key, 0) in recorded and (key, 1) not in recorded
+    other_lr = {**ADAMW, "optimizer": {"name": "adamw", "learning_rate": 3e-5}}
+    other_sft = {**ADAMW, "sft": {"steps": 80, "cache_dir": "/old/checkout/sft_cache"}}
+    assert sweep.same_run_key(other_lr) != key and sweep.same_run_key(other_sft) != key
+
+
+def test_the_first_file_holding_a_run_wins(tmp_path):
+    first = _write(tmp_path / "a.json", "x", ADAMW, [_point(0, 0.5)])
+    second = _write(tmp_path / "b.json", "y", ADAMW, [_point(0, 0.9)])
+    point = sweep.recorded_points([first, second])[(sweep.same_run_key(ADAMW), 0)]
+    assert (point["accuracy_after"], point["recorded_in"]) == (0.5, "a.json")
