@@ -18,7 +18,9 @@ Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --ph
       [--contenders ...] [--seeds ...] [--ratios ...] [--report]
 Writes experiments/momentum/<task>/{sweep,best,rank}.{json,md} (a phase's contenders accumulate over invocations)
 and best_curves.png / rank.png; runs in <task>/runs/ (git-ignored; finished runs are reused, so a re-invocation only
-adds what is missing). --report starts no run and tabulates what has finished.
+adds what is missing). A run the task's committed {sweep,best,rank}.json already hold (same settings and seed, e.g.
+rank 64's cells in the sweep and best phases) is taken from them, not run again. --report starts no run and
+tabulates what has finished.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ Contenders:
 Run:  nice -n 10 python -m experiments.smollm2.tune --phase sweep|best|matched [--jobs 1] [--contenders ...]
       [--seeds ...] [--report]
 Writes experiments/smollm2/tune/{sweep,best}.{json,md} and curves; runs in tune/runs/ (git-ignored; reused), SFT
-warm starts in parity/runs/sft_cache (shared with parity.py).
+warm starts in parity/runs/sft_cache (shared with parity.py). A run the committed results already hold (this
+study's JSON files, or parity.py's results.json: its two contenders at the matched values, same settings) is taken
+from them, not run again; its point names the file.
 """
 
 from __future__ import annotations
