@@ -145,7 +145,10 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
     """Run every (variant, seed) and write out_dir/{<name>.json, <name>_curves.png} (results.json and curves.png
     by default); returns the results. step_memory=False skips each run's compile-only step bytes. reuse: results
     files of earlier sweeps from the same base config (see recorded_points); a (variant, seed) whose overrides
-    and seed one of them holds is taken from there, not run again, and its point says which file it came from."""
+    and seed one of them holds is taken from there, not run again, and its point says which file it came from.
+    Reuse only what the same code computed on the same kind of machine: the warm start and the runs are bitwise
+    functions of both. A recorded run whose held-out accuracy before RL differs from that of this sweep's new runs
+    of its seed (another warm start) is refused with a ValueError."""
     out_dir.mkdir(parents=True, exist_ok=True)
     recorded = recorded_points(reuse)
     known = {(n, seed): recorded[(same_run_key(variants[n]), seed)] for n in variants for seed in seeds
@@ -200,6 +203,13 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
                ("accuracy_before", "accuracy_after", "gain", "final_reward", "step_time_median")}
         results["variants"][variant] = {"overrides": {k: dict(v) for k, v in overrides.items()}, "seeds": per_seed,
                                      "mean_std": agg}
+    for (variant, seed), point in known.items():  # a recorded run must share its seed's warm start with new runs
+        fresh = {round(summaries[(n, s)]["accuracy_before"], 9) for n, s in summaries if s == seed}
+        if fresh and round(point["accuracy_before"], 9) not in fresh:
+            raise ValueError(f"{variant} seed {seed} recorded in {point['recorded_in']} started from held-out "
+                             f"{point['accuracy_before']:.4f} after its warm start, this sweep's new runs of seed "
+                             f"{seed} from {sorted(fresh)}: another warm start (other code or machine), not "
+                             "comparable; run it again (leave that file out of `reuse`)")
     (out_dir / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     if not known:  # the curves need every run's metrics; recorded points have none here
         plot_curves(out_dir, variants, seeds, title, filename=f"{name.replace('results', 'curves')}.png")

@@ -18,9 +18,9 @@ Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --ph
       [--contenders ...] [--seeds ...] [--ratios ...] [--report]
 Writes experiments/momentum/<task>/{sweep,best,rank}.{json,md} (a phase's contenders accumulate over invocations)
 and best_curves.png / rank.png; runs in <task>/runs/ (git-ignored; finished runs are reused, so a re-invocation only
-adds what is missing). A run the task's committed {sweep,best,rank}.json already hold (same settings and seed, e.g.
-rank 64's cells in the sweep and best phases) is taken from them, not run again. --report starts no run and
-tabulates what has finished.
+adds what is missing). The committed {sweep,best}.json choose the best phase's values, but no run is taken from
+them: their seeds 0 and 1 started from warm starts an older model initialisation computed (see the README), so
+every phase runs all its cells from this code's warm starts. --report starts no run and tabulates what has finished.
 """
 
 from __future__ import annotations
@@ -250,10 +250,9 @@ def main() -> None:
         variants = {name: v for name, v in variants.items() if finished(out, name, v, seeds)}
     else:
         for seed in seeds:  # seed by seed, so an interrupted study still holds paired seeds
-            run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last",
-                      reuse=recorded(out))
+            run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last")
     results = run_sweep(base, variants, seeds, out, jobs=args.jobs, step_memory=False,
-                        title=f"{title}: {args.phase}", name=f"runs/{args.phase}_all", reuse=recorded(out))
+                        title=f"{title}: {args.phase}", name=f"runs/{args.phase}_all")
     results["command"] = (f"nice -n 10 python -m experiments.momentum.run --task {args.task} --phase {args.phase}"
                           f" --jobs {args.jobs} --contenders {' '.join(args.contenders)}"
                           + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""))

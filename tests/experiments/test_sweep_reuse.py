@@ -1,14 +1,16 @@
 """experiments/sweep.py's reuse of recorded results: a (variant, seed) whose configuration a committed results file
 already holds is taken from it, not run again; any other difference in the configuration is a different run."""
 
-import importlib.util
+import importlib
 import json
+import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("experiments_sweep", ROOT / "experiments" / "sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+sys.path.insert(0, str(ROOT))  # as `python -m experiments...` has it; the sweep's worker processes inherit it
+sweep = importlib.import_module("experiments.sweep")
 
 ADAMW = {"sft": {"steps": 40, "cache_dir": "/old/checkout/sft_cache"},
          "optimizer": {"name": "adamw", "learning_rate": 1e-5}}
@@ -54,3 +56,18 @@ def test_the_first_file_holding_a_run_wins(tmp_path):
     second = _write(tmp_path / "b.json", "y", ADAMW, [_point(0, 0.9)])
     point = sweep.recorded_points([first, second])[(sweep.same_run_key(ADAMW), 0)]
     assert (point["accuracy_after"], point["recorded_in"]) == (0.5, "a.json")
+
+
+def test_a_recorded_run_from_another_warm_start_is_refused(tmp_path):
+    """Seed 0's new run (here: one already finished, so the worker only reads it) started from held-out 0.30
+    after its warm start; the recorded run of seed 0 from 0.25: another warm start, so not comparable."""
+    recorded = _write(tmp_path / "old.json", "adamw", ADAMW, [_point(0, 0.5)])
+    other = {"optimizer": {"name": "adamw", "learning_rate": 3e-5}}
+    done = sweep.run_dir(tmp_path / "out", "adamw-3e-5", 0)
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text(json.dumps({"accuracy_before": 0.30, "accuracy_after": 0.6, "seconds": 1.0}))
+    (done / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1, "reward_mean": 0.5, "step_time": 1.0,
+                                                    "eval_accuracy": 0.6}) + "\n")
+    with pytest.raises(ValueError, match=r"adamw seed 0 recorded in old.json .* another warm start"):
+        sweep.run_sweep({"train": {}}, {"adamw": ADAMW, "adamw-3e-5": other}, [0], tmp_path / "out", jobs=1,
+                        step_memory=False, reuse=[recorded], log=lambda _: None)
