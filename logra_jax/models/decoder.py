@@ -199,8 +199,9 @@ def parameter_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, NamedShard
 
 def init_sharded_model(config: ModelConfig, mesh: Mesh, seed: int = 0) -> Decoder:
     """`init_model(config, seed)` created directly in its shards on `mesh` (jit with the rules' out_shardings): no
-    device ever holds a whole weight that the rules split. Equal, bit for bit, to the unsharded `init_model`
-    (JAX's threefry random bits do not depend on the sharding)."""
+    device ever holds a whole weight that the rules split. Equal, bit for bit, on every mesh (JAX's threefry random
+    bits do not depend on the sharding); the eager `init_model` rounds some normal draws one ulp apart (op-by-op vs
+    fused arithmetic), so runs from before the job initialised this way start from slightly other weights."""
     graphdef, abstract = nnx.split(abstract_model(config))
     shardings = param_shardings(abstract, mesh)
     state = jax.jit(lambda: nnx.split(init_model(config, seed))[1], out_shardings=shardings)()
