@@ -6,7 +6,8 @@ each contender's best value runs 2 more seeds (3 in all). Same task, SFT warm st
 parity.py (its COMMON settings; the warm start of each seed is computed once and shared by every run of that seed).
 
 Contenders:
-  adamw-targets          AdamW on the 7 projections of the 30 layers, the rest frozen; lr ∈ {3e-6, 1e-5, 3e-5}
+  adamw-targets          AdamW on the 7 projections of the 30 layers, the rest frozen; lr ∈ {1e-6, 3e-6, 1e-5, 3e-5}
+                         (1e-6 added because 3e-6, the first grid's edge, won)
   logra-layer            LoGRA sketch-native rank 64, per-layer ratio ∈ {1.7e-5, 5e-5, 1.5e-4}, no KL control
   logra-layer-m0.9-kinf  logra-layer + a first moment β₁ = 0.9 with one fixed projection (the best LoGRA of the
                          demo study, experiments/momentum)
@@ -37,10 +38,10 @@ OUT = HERE / "tune"
 SWEEP_SEEDS, BEST_SEEDS = (0,), (0, 1, 2)
 ADAMW = {"name": "adamw", "targets_only": True, "kl_control": False}
 LOGRA = {"name": "logra", "ratio_scope": "layer", "kl_control": False}
-# contender → (step-size field, grid, fixed optimizer overrides); the grid's middle value is parity.py's matched one
+# contender → (step-size field, grid, fixed optimizer overrides); the grids hold parity.py's matched value
 MATCHED = {"learning_rate": 1e-5, "update_ratio": 5e-5}
 CONTENDERS: dict[str, tuple[str, tuple[float, ...], dict[str, Any]]] = {
-    "adamw-targets": ("learning_rate", (3e-6, 1e-5, 3e-5), ADAMW),
+    "adamw-targets": ("learning_rate", (1e-6, 3e-6, 1e-5, 3e-5), ADAMW),
     "logra-layer": ("update_ratio", (1.7e-5, 5e-5, 1.5e-4), LOGRA),
     "logra-layer-m0.9-kinf": ("update_ratio", (1.7e-5, 5e-5, 1.5e-4), {**LOGRA, "momentum": 0.9, "refresh": False}),
 }
@@ -62,7 +63,7 @@ def overrides(contender: str, value: float) -> dict[str, Any]:
 
 
 # Results files whose runs are not run again (committed, while the run directories are not): this study's phases
-# and parity.py's matched runs, which are these contenders' middle grid values with the same settings.
+# and parity.py's matched runs, which are values on these contenders' grids with the same settings.
 RECORDED = [OUT / f"{phase}.json" for phase in ("matched", "sweep", "best")] + [PARITY_OUT / "results.json"]
 
 
