@@ -160,6 +160,11 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
             + ", ".join(f"{n} seed {seed} ({p['recorded_in']})" for (n, seed), p in known.items()))
     start = time.perf_counter()
     summaries: dict[tuple[str, int], dict[str, Any]] = {}
+    if not step_memory:  # a finished run needs no worker (and its JAX start-up) when nothing is measured
+        for n, seed in cells:
+            if (summary := run_dir(out_dir, n, seed) / "summary.json").exists():
+                summaries[(n, seed)] = json.loads(summary.read_text())
+        cells = [c for c in cells if c not in summaries]
     ctx = multiprocessing.get_context("spawn")
     # One fresh worker process per run: the peak RSS a run reports is its own, not that of earlier runs the same
     # worker held (a reused worker's ru_maxrss never falls), and no JAX state leaks from one run into the next.

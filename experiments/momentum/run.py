@@ -11,8 +11,9 @@ the optimizer differs), LoGRA at today's best rule (per-layer update ratio, rank
 Protocol (experiments/parity's): "sweep" runs each swept contender's per-layer update ratio over RATIOS × seeds 0
 and 1; "best" runs every contender at its best value × seeds 0–4. logra-layer's and AdamW-targets' best values
 are those of experiments/parity's sweep of the same task (4 values × 2 seeds, read from its sweep.json); a
-contender that is not swept here runs at logra-layer's best ratio. "rank" runs r ∈ RANKS × RATIOS × seeds 0–2 for
-the no-momentum rule and the fixed-projection momentum rule, and reports each rank at its best ratio.
+contender that is not swept here runs at logra-layer's best ratio. "rank", for the no-momentum rule and the
+fixed-projection momentum rule: r ∈ RANKS × RATIOS on seed 0 (rank_sweep.json), then each (rule, rank) at its best
+ratio × seeds 0–2 (rank.json); it reports each rank at its best ratio.
 
 Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --phase sweep|best|rank [--jobs 2]
       [--contenders ...] [--seeds ...] [--ratios ...] [--report]
@@ -38,7 +39,7 @@ from experiments.sweep import merged, plot_curves, recorded_points, run_dir, run
 HERE = Path(__file__).parent
 RATIOS = (1e-3, 3e-3, 1e-2)
 RANKS = (4, 16, 64)
-SWEEP_SEEDS, BEST_SEEDS, RANK_SEEDS = (0, 1), (0, 1, 2, 3, 4), (0, 1, 2)
+SWEEP_SEEDS, BEST_SEEDS, RANK_SWEEP_SEEDS, RANK_SEEDS = (0, 1), (0, 1, 2, 3, 4), (0,), (0, 1, 2)
 BASE = "logra-layer"
 
 
@@ -106,8 +107,9 @@ def accuracy_after(out: Path, name: str, overrides: dict[str, Any], seed: int) -
     return None if point is None else point["accuracy_after"]
 
 
-def finished(out: Path, name: str, overrides: dict[str, Any], seeds: tuple[int, ...]) -> bool:
-    return all(accuracy_after(out, name, overrides, seed) is not None for seed in seeds)
+def finished(out: Path, name: str, seeds: tuple[int, ...]) -> bool:
+    """Whether every seed's run has finished here (runs are not taken from the results files: see the docstring)."""
+    return all((run_dir(out, name, seed) / "summary.json").exists() for seed in seeds)
 
 
 def best_value(out: Path, contender: str, grid: tuple[float, ...], seeds: tuple[int, ...]) -> float | None:
@@ -158,26 +160,28 @@ def best_table(results: dict[str, Any], references: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def rank_table(results: dict[str, Any]) -> str:
-    """Per rule and rank: mean held-out after at each ratio (seeds RANK_SEEDS), and the best."""
-    lines = ["| rule | rank | " + " | ".join(f"ratio {v:g}" for v in RATIOS) + " | best (mean ± std) |",
-             "|---" * (3 + len(RATIOS)) + "|"]
+def rank_table(sweep: dict[str, Any], best: dict[str, Any]) -> str:
+    """Per rule and rank: held-out after at each ratio (the sweep's seeds), and at the best ratio per seed and
+    mean ± std over the best phase's seeds."""
+    lines = ["| rule | rank | " + " | ".join(f"ratio {v:g} (seed 0)" for v in RATIOS)
+             + " | best ratio | per seed | mean ± std |", "|---" * (5 + len(RATIOS)) + "|"]
     for rule in RANK_RULES:
         for rank in RANKS:
             contender = rank_contender(rule, rank)
-            cells, best = [], None
+            cells = []
             for v in RATIOS:
-                run = results["variants"].get(cell(contender, v))
-                if run is None:
-                    cells.append("–")
-                    continue
+                run = sweep["variants"].get(cell(contender, v))
+                cells.append("–" if run is None else f"{run['mean_std']['accuracy_after'][0]:.3f}")
+            runs = [(v, best["variants"][cell(contender, v)]) for v in RATIOS if cell(contender, v) in
+                    best["variants"]]
+            if runs:
+                v, run = runs[0]
                 mean, sd = run["mean_std"]["accuracy_after"]
-                cells.append(f"{mean:.3f}")
-                if best is None or mean > best[1]:
-                    best = (v, mean, sd)
-            label = RULE_LABELS[rule]
-            tail = "–" if best is None else f"{best[1]:.3f} ± {best[2]:.3f} at {best[0]:g}"
-            lines.append(f"| {label} | {rank} | " + " | ".join(cells) + f" | {tail} |")
+                per_seed = ", ".join(f"{p['accuracy_after']:.3f}" for p in run["seeds"])
+                tail = f"{v:g} | {per_seed} | {mean:.3f} ± {sd:.3f}"
+            else:
+                tail = "– | – | –"
+            lines.append(f"| {RULE_LABELS[rule]} | {rank} | " + " | ".join(cells) + f" | {tail} |")
     return "\n".join(lines)
 
 
@@ -241,13 +245,26 @@ def main() -> None:
                 print(f"{c}: no finished sweep yet (run --phase sweep first); left out")
                 continue
             variants[cell(c, value)] = CONTENDERS[c][1](value)
-    else:
-        seeds = RANK_SEEDS
-        variants = {cell(rank_contender(rule, r), v): logra_variant(v, m, k, r)
-                    for rule, (m, k) in RANK_RULES.items() if rule in args.rules for r in RANKS for v in RATIOS}
+    else:  # the ratios swept per (rule, rank) on seed 0, then each at its best ratio × RANK_SEEDS
+        rules = {rule: mk for rule, mk in RANK_RULES.items() if rule in args.rules}
+        grid = {cell(rank_contender(rule, r), v): logra_variant(v, m, k, r)
+                for rule, (m, k) in rules.items() for r in RANKS for v in RATIOS}
+        if args.report:
+            grid = {name: v for name, v in grid.items() if finished(out, name, RANK_SWEEP_SEEDS)}
+        rank_sweep = parity.merge_into(out / "rank_sweep.json", run_sweep(
+            base, grid, RANK_SWEEP_SEEDS, out, jobs=args.jobs, step_memory=False, name="runs/rank_sweep_all",
+            title=f"{title}: rank × ratio"))
+        seeds, variants = RANK_SEEDS, {}
+        for rule, (m, k) in rules.items():
+            for r in RANKS:
+                means = {v: rank_sweep["variants"][cell(rank_contender(rule, r), v)]["mean_std"]["accuracy_after"][0]
+                         for v in RATIOS if cell(rank_contender(rule, r), v) in rank_sweep["variants"]}
+                if len(means) == len(RATIOS):
+                    best = max(means, key=means.get)
+                    variants[cell(rank_contender(rule, r), best)] = logra_variant(best, m, k, r)
     seeds = tuple(args.seeds) if args.seeds else seeds
     if args.report:
-        variants = {name: v for name, v in variants.items() if finished(out, name, v, seeds)}
+        variants = {name: v for name, v in variants.items() if finished(out, name, seeds)}
     else:
         for seed in seeds:  # seed by seed, so an interrupted study still holds paired seeds
             run_sweep(base, variants, [seed], out, jobs=args.jobs, step_memory=False, name=f"runs/{args.phase}_last")
@@ -266,7 +283,7 @@ def main() -> None:
                 and all((run_dir(out, n, s) / "metrics.jsonl").exists() for s in BEST_SEEDS)]  # curves need runs
         plot_curves(out, dict.fromkeys(full), BEST_SEEDS, f"{title}: best settings", filename="best_curves.png")
     else:
-        text = rank_table(results)
+        text = rank_table(rank_sweep, results)
         plot_rank(results, out / "rank.png", f"{args.task}: rank at each rule's best ratio ({len(seeds)} seeds)")
     (out / f"{args.phase}.md").write_text(text + "\n")
     print(text)
