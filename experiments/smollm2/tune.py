@@ -14,7 +14,7 @@ Contenders:
 
 Run:  nice -n 10 python -m experiments.smollm2.tune --phase sweep|best|matched [--jobs 1] [--contenders ...]
       [--seeds ...] [--report]
-Writes experiments/smollm2/tune/{sweep,best}.{json,md} and curves; runs in tune/runs/ (git-ignored; reused), SFT
+Writes experiments/smollm2/tune/{sweep,best}.{json,md} and tune.png; runs in tune/runs/ (git-ignored; reused), SFT
 warm starts in parity/runs/sft_cache (shared with parity.py). A run the committed results already hold (this
 study's JSON files, or parity.py's results.json: its two contenders at the matched values, same settings) is taken
 from them, not run again; its point names the file.
@@ -100,6 +100,40 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(path: Path) -> None:
+    """Left: held-out accuracy after RL against each contender's step size (the sweep, seed 0); right: each
+    contender's best step size per seed (the best phase). From sweep.json and best.json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_s, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    phases = {p: json.loads((OUT / f"{p}.json").read_text())["variants"] for p in ("sweep", "best")
+              if (OUT / f"{p}.json").exists()}
+    for i, contender in enumerate(CONTENDERS):
+        field = CONTENDERS[contender][0]
+        # step size in units of the matched one, so AdamW's lr and LoGRA's ratio share an axis
+        pts = sorted((split(n)[1] / MATCHED[field], statistics.fmean(q["accuracy_after"] for q in v["seeds"]))
+                     for n, v in phases.get("sweep", {}).items() if split(n)[0] == contender)
+        if pts:
+            ax_s.plot(*zip(*pts, strict=True), "o-", color=f"C{i}", label=contender)
+        for n, v in phases.get("best", {}).items():
+            if split(n)[0] == contender:
+                seeds = [q["seed"] for q in v["seeds"]]
+                ax_b.plot(seeds, [q["accuracy_after"] for q in v["seeds"]], "o-", color=f"C{i}",
+                          label=f"{contender} ({n.split('@')[1]})")
+    ax_s.set(xscale="log", xlabel="step size / parity.py's matched one (lr 1e-5, ratio 5e-5)",
+             ylabel="held-out accuracy after 40 RL steps", title="sweep, seed 0")
+    ax_b.set(xlabel="seed", xticks=list(BEST_SEEDS), title="best step size per contender")
+    for ax in (ax_s, ax_b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct, two-digit additions: step sizes tuned")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phase", default="sweep", choices=("sweep", "best", "matched"),
@@ -137,6 +171,7 @@ def main() -> None:
     results = merge_into(OUT / f"{args.phase}.json", results)  # with earlier invocations' contenders
     text = table(results)
     (OUT / f"{args.phase}.md").write_text(text + "\n")
+    plot(OUT / "tune.png")
     print(text)
 
 
