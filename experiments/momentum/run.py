@@ -17,12 +17,12 @@ ratio × seeds 0–2 (rank.json); it reports each rank at its best ratio.
 
 Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --phase sweep|best|rank [--jobs 2]
       [--contenders ...] [--seeds ...] [--ratios ...] [--report]
-Writes experiments/momentum/<task>/{sweep,best,rank}.{json,md} and rank_sweep.json (a phase's contenders accumulate
-over invocations)
-and best_curves.png / rank.png; runs in <task>/runs/ (git-ignored; finished runs are reused, so a re-invocation only
-adds what is missing). The committed {sweep,best}.json choose the best phase's values, but no run is taken from
-them: their seeds 0 and 1 started from warm starts an older model initialisation computed (see the README), so
-every phase runs all its cells from this code's warm starts. --report starts no run and tabulates what has finished.
+Writes experiments/momentum/<task>/{sweep,best,rank}.{json,md}, rank_sweep.json (a phase's contenders accumulate
+over invocations) and best_curves.png / rank.png; runs in <task>/runs/ (git-ignored; finished runs are reused, so a
+re-invocation only adds what is missing). The committed {sweep,best}.json choose the best phase's values, but no run
+is taken from them: the demo's seed 0 there started from a warm start an older model initialisation computed (see
+the README), so every phase runs all its cells from this code's warm starts. --report starts no run and tabulates
+what has finished.
 """
 
 from __future__ import annotations
