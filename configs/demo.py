@@ -5,9 +5,10 @@ with LoGRA (sketch-native, rank 64, update ratio 3e-3 applied per layer, a first
 coordinates with one fixed projection: the best LoGRA setting of experiments/momentum) on two-digit additions
 *with* at least one carry; the held-out problems (also with carries) are never trained on. Prints held-out greedy
 accuracy before and after RL and writes runs/demo/reward_curve.png.
-Measured (seed 0, this exact configuration, 2-core Intel Xeon, 2026-12-06, experiments/momentum's run of it):
-5.9% → 71.1% held-out (evaluations every 50 steps: 0.059, 0.395, 0.531, 0.707, 0.711). XLA compiles for the host
-CPU, so seed-exact numbers differ between CPU types. Over 5 seeds (experiments/momentum/README.md) 70.4 ± 30.6%
+Measured (seed 0, this exact configuration, experiments/momentum's rank study's run of it, 2026-12-06): 16.8% →
+68.8% held-out on a 2-core AMD EPYC (evaluations every 50 steps: 0.168, 0.348, 0.445, 0.539, 0.688); 5.9% → 71.1%
+on the study's 2-core Intel Xeon from an earlier warm start. XLA compiles for the host CPU, and the 1000-step SFT
+amplifies last-bit differences, so seed-exact numbers differ between CPU types. Over 5 seeds (experiments/momentum/README.md) 70.4 ± 30.6%
 after RL, against 69.2 ± 30.7% for AdamW on the same weights and 65.8 ± 28.5% for the same LoGRA without the
 momentum (seed 4's SFT warm start fails for all alike; seeds 0–3: 83.7%, 82.4%, 77.8%).
 The paper's rule (fresh projections every step, no momentum) is two overrides away:
