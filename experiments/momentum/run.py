@@ -13,9 +13,11 @@ and 1; "best" runs every contender at its best value × seeds 0–4. logra-layer
 are those of experiments/parity's sweep of the same task (4 values × 2 seeds, read from its sweep.json); a
 contender that is not swept here runs at logra-layer's best ratio. "rank", for the no-momentum rule and the
 fixed-projection momentum rule: r ∈ RANKS × RATIOS on seed 0 (rank_sweep.json), then each (rule, rank) at its best
-ratio × seeds 0–2 (rank.json); it reports each rank at its best ratio.
+ratio × seeds 0–2 (rank.json); it reports each rank at its best ratio. "alone": the refresh period without
+momentum (κ = ∞ and 10) beside logra-layer and the momentum with a fixed projection, all at logra-layer's best
+ratio × seeds 0–2 (alone.json), so the effect of each half is separate on the same warm starts.
 
-Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --phase sweep|best|rank [--jobs 2]
+Run:  nice -n 10 python -m experiments.momentum.run --task demo|three_digit --phase sweep|best|rank|alone [--jobs 2]
       [--contenders ...] [--seeds ...] [--ratios ...] [--report]
 Writes experiments/momentum/<task>/{sweep,best,rank}.{json,md}, rank_sweep.json (a phase's contenders accumulate
 over invocations) and best_curves.png / rank.png; runs in <task>/runs/ (git-ignored; finished runs are reused, so a
@@ -69,6 +71,8 @@ CONTENDERS: dict[str, tuple[bool, Builder]] = {
     contender_name(0.0, None): (False, lambda v: logra_variant(v, 0.0, None)),
     contender_name(0.0, 10): (False, lambda v: logra_variant(v, 0.0, 10)),
 }
+# the alone phase: the refresh period without momentum beside the rule and the momentum, one ratio, RANK_SEEDS
+ALONE = (BASE, contender_name(0.0, None), contender_name(0.0, 10), contender_name(0.9, None))
 # the rank phase's rules: name → (β₁, κ)
 RANK_RULES = {"fresh": (0.0, 1), "m0.9-kinf": (0.9, None)}
 RULE_LABELS = {"fresh": "per-layer ratio, fresh projections", "m0.9-kinf": "+ momentum 0.9, fixed projection"}
@@ -218,7 +222,7 @@ def plot_rank(results: dict[str, Any], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="demo", choices=("demo", "three_digit"))
-    parser.add_argument("--phase", default="sweep", choices=("sweep", "best", "rank"))
+    parser.add_argument("--phase", default="sweep", choices=("sweep", "best", "rank", "alone"))
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
     parser.add_argument("--rules", nargs="+", default=list(RANK_RULES), choices=list(RANK_RULES),
@@ -237,6 +241,9 @@ def main() -> None:
         seeds = SWEEP_SEEDS
         variants = {cell(c, v): CONTENDERS[c][1](v) for c in args.contenders if CONTENDERS[c][0]
                     for v in args.ratios}
+    elif args.phase == "alone":  # the refresh period with and without momentum, at logra-layer's ratio, paired
+        seeds = RANK_SEEDS
+        variants = {cell(c, fixed[BASE]): CONTENDERS[c][1](fixed[BASE]) for c in ALONE}
     elif args.phase == "best":
         seeds = BEST_SEEDS
         variants = {}
@@ -279,6 +286,8 @@ def main() -> None:
     results = parity.merge_into(out / f"{args.phase}.json", results)
     if args.phase == "sweep":
         text = sweep_table(results)
+    elif args.phase == "alone":
+        text = best_table(results, (cell(BASE, fixed[BASE]), cell(ALONE[-1], fixed[BASE])))
     elif args.phase == "best":
         text = best_table(results, (cell(BASE, fixed[BASE]), cell("adamw-targets", fixed["adamw-targets"])))
         full = [n for n, v in results["variants"].items() if len(v["seeds"]) == len(BEST_SEEDS)
