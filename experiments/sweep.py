@@ -139,6 +139,17 @@ def recorded_points(paths: Sequence[Path]) -> dict[tuple[str, int], dict[str, An
     return points
 
 
+def accuracy_after(out_dir: Path, name: str, overrides: Overrides, seed: int,
+                   recorded: Sequence[Path] = ()) -> float | None:
+    """A (variant, seed)'s final held-out accuracy: from its run directory, else from the `recorded` results files
+    (see recorded_points); None if neither holds it."""
+    summary = run_dir(out_dir, name, seed) / "summary.json"
+    if summary.exists():
+        return json.loads(summary.read_text())["accuracy_after"]
+    point = recorded_points(recorded).get((same_run_key(overrides), seed))
+    return None if point is None else point["accuracy_after"]
+
+
 def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds: Sequence[int], out_dir: Path, *,
               jobs: int = 2, title: str = "", log: Callable[[str], None] = print, step_memory: bool = True,
               name: str = "results", reuse: Sequence[Path] = ()) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.parity import run as parity
-from experiments.sweep import merged, plot_curves, recorded_points, run_dir, run_sweep, same_run_key
+from experiments.sweep import accuracy_after, merged, plot_curves, run_dir, run_sweep
 
 HERE = Path(__file__).parent
 RATIOS = (1e-3, 3e-3, 1e-2)
@@ -99,17 +99,9 @@ def parity_best(task: str) -> dict[str, float]:
 
 
 def recorded(out: Path) -> list[Path]:
-    """The task's results files, committed while the runs are not: a run they hold is not run again."""
+    """The task's committed results files: the best phase chooses its values from them where the sweep's runs are
+    not here (no run is taken from them, see the docstring)."""
     return [out / f"{phase}.json" for phase in ("sweep", "best", "rank")]
-
-
-def accuracy_after(out: Path, name: str, overrides: dict[str, Any], seed: int) -> float | None:
-    """The run's final held-out accuracy, from its run directory or the task's results files; None if neither."""
-    path = run_dir(out, name, seed) / "summary.json"
-    if path.exists():
-        return json.loads(path.read_text())["accuracy_after"]
-    point = recorded_points(recorded(out)).get((same_run_key(overrides), seed))
-    return None if point is None else point["accuracy_after"]
 
 
 def finished(out: Path, name: str, seeds: tuple[int, ...]) -> bool:
@@ -121,7 +113,7 @@ def best_value(out: Path, contender: str, grid: tuple[float, ...], seeds: tuple[
     """The grid value with the highest mean final held-out accuracy over `seeds` (finished runs only)."""
     means = {}
     for v in grid:
-        accs = [accuracy_after(out, cell(contender, v), CONTENDERS[contender][1](v), s) for s in seeds]
+        accs = [accuracy_after(out, cell(contender, v), CONTENDERS[contender][1](v), s, recorded(out)) for s in seeds]
         if None not in accs:
             means[v] = statistics.fmean(accs)
     return max(means, key=means.get) if means else None

@@ -31,7 +31,8 @@ from typing import Any
 from experiments.parity.run import merge_into
 from experiments.smollm2.parity import COMMON, CONFIG
 from experiments.smollm2.parity import OUT as PARITY_OUT
-from experiments.sweep import load_config, recorded_points, run_dir, run_sweep, same_run_key
+from experiments.sweep import accuracy_after as sweep_accuracy_after
+from experiments.sweep import load_config, run_sweep
 
 HERE = Path(__file__).parent
 OUT = HERE / "tune"
@@ -69,11 +70,7 @@ RECORDED = [OUT / f"{phase}.json" for phase in ("matched", "sweep", "best")] + [
 
 def accuracy_after(contender: str, value: float, seed: int) -> float | None:
     """The run's final held-out accuracy, from its run directory or a RECORDED file; None if neither holds it."""
-    path = run_dir(OUT, cell(contender, value), seed) / "summary.json"
-    if path.exists():
-        return json.loads(path.read_text())["accuracy_after"]
-    point = recorded_points(RECORDED).get((same_run_key(overrides(contender, value)), seed))
-    return None if point is None else point["accuracy_after"]
+    return sweep_accuracy_after(OUT, cell(contender, value), overrides(contender, value), seed, RECORDED)
 
 
 def best_value(contender: str) -> float | None:

@@ -59,7 +59,7 @@ def test_the_first_file_holding_a_run_wins(tmp_path):
 
 
 def test_a_recorded_run_from_another_warm_start_is_refused(tmp_path):
-    """Seed 0's new run (here: one already finished, so the worker only reads it) started from held-out 0.30
+    """Seed 0's new run (here: one already finished, read back as a sweep reads it) started from held-out 0.30
     after its warm start; the recorded run of seed 0 from 0.25: another warm start, so not comparable."""
     recorded = _write(tmp_path / "old.json", "adamw", ADAMW, [_point(0, 0.5)])
     other = {"optimizer": {"name": "adamw", "learning_rate": 3e-5}}
@@ -71,3 +71,14 @@ def test_a_recorded_run_from_another_warm_start_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"adamw seed 0 recorded in old.json .* another warm start"):
         sweep.run_sweep({"train": {}}, {"adamw": ADAMW, "adamw-3e-5": other}, [0], tmp_path / "out", jobs=1,
                         step_memory=False, reuse=[recorded], log=lambda _: None)
+
+
+def test_accuracy_after_reads_the_run_then_the_recorded_files(tmp_path):
+    recorded = [_write(tmp_path / "old.json", "a", ADAMW, [_point(0, 0.5)])]
+    out = tmp_path / "out"
+    assert sweep.accuracy_after(out, "a", ADAMW, 0, recorded) == 0.5
+    assert sweep.accuracy_after(out, "a", ADAMW, 1, recorded) is None
+    assert sweep.accuracy_after(out, "a", ADAMW, 0) is None  # nothing recorded given, no run here
+    sweep.run_dir(out, "a", 0).mkdir(parents=True)
+    (sweep.run_dir(out, "a", 0) / "summary.json").write_text(json.dumps({"accuracy_after": 0.75}))
+    assert sweep.accuracy_after(out, "a", ADAMW, 0, recorded) == 0.75  # the run here wins
