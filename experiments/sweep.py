@@ -139,13 +139,18 @@ def recorded_points(paths: Sequence[Path]) -> dict[tuple[str, int], dict[str, An
     return points
 
 
+def finished_summary(out_dir: Path, name: str, seed: int) -> dict[str, Any] | None:
+    """The summary of a (variant, seed) run finished in out_dir; None if it has not finished there."""
+    path = run_dir(out_dir, name, seed) / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def accuracy_after(out_dir: Path, name: str, overrides: Overrides, seed: int,
                    recorded: Sequence[Path] = ()) -> float | None:
     """A (variant, seed)'s final held-out accuracy: from its run directory, else from the `recorded` results files
     (see recorded_points); None if neither holds it."""
-    summary = run_dir(out_dir, name, seed) / "summary.json"
-    if summary.exists():
-        return json.loads(summary.read_text())["accuracy_after"]
+    if (summary := finished_summary(out_dir, name, seed)) is not None:
+        return summary["accuracy_after"]
     point = recorded_points(recorded).get((same_run_key(overrides), seed))
     return None if point is None else point["accuracy_after"]
 
@@ -164,7 +169,7 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
     recorded = recorded_points(reuse)
     known = {(n, seed): recorded[(same_run_key(variants[n]), seed)] for n in variants for seed in seeds
              if (same_run_key(variants[n]), seed) in recorded
-             and not (run_dir(out_dir, n, seed) / "summary.json").exists()}
+             and finished_summary(out_dir, n, seed) is None}
     cells = [(name, seed) for name in variants for seed in seeds if (name, seed) not in known]
     if known:
         log(f"{len(known)} of {len(known) + len(cells)} runs taken from recorded results: "
@@ -173,8 +178,8 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
     summaries: dict[tuple[str, int], dict[str, Any]] = {}
     if not step_memory:  # a finished run needs no worker (and its JAX start-up) when nothing is measured
         for n, seed in cells:
-            if (summary := run_dir(out_dir, n, seed) / "summary.json").exists():
-                summaries[(n, seed)] = json.loads(summary.read_text())
+            if (summary := finished_summary(out_dir, n, seed)) is not None:
+                summaries[(n, seed)] = summary
         cells = [c for c in cells if c not in summaries]
     ctx = multiprocessing.get_context("spawn")
     # One fresh worker process per run: the peak RSS a run reports is its own, not that of earlier runs the same

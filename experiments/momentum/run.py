@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.parity import run as parity
-from experiments.sweep import accuracy_after, merged, plot_curves, run_dir, run_sweep
+from experiments.sweep import accuracy_after, finished_summary, merged, plot_curves, run_dir, run_sweep
 
 HERE = Path(__file__).parent
 RATIOS = (1e-3, 3e-3, 1e-2)
@@ -106,7 +106,7 @@ def recorded(out: Path) -> list[Path]:
 
 def finished(out: Path, name: str, seeds: tuple[int, ...]) -> bool:
     """Whether every seed's run has finished here (runs are not taken from the results files: see the docstring)."""
-    return all((run_dir(out, name, seed) / "summary.json").exists() for seed in seeds)
+    return all(finished_summary(out, name, seed) is not None for seed in seeds)
 
 
 def best_value(out: Path, contender: str, grid: tuple[float, ...], seeds: tuple[int, ...]) -> float | None:
