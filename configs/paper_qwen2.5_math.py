@@ -41,9 +41,9 @@ def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
                        kl_budget_final=2e-5, kl_schedule_steps=300, alpha_max=3.0, probe_responses=8)
     c.train.update(steps=500, microbatches=64, seed=0, eval_every=50, checkpoint_every=25, keep_checkpoints=3,
                    mesh_data=1, mesh_fsdp=-1, mesh_tensor=1)
-    # The KV cache of 32 prompts at a time (python -m logra_jax.plan, TPU v5e): 256 prompts at once need 41.85 GiB
-    # per device at 7B on 8 chips and 28.21 GiB at 1.5B on 4; in chunks of 32 the jobs fit 16 GiB (12.99, 6.37).
-    c.rollout.prompt_chunks = 8
+    # Continuous batching in 32 slots: the KV cache holds 32 of the 256 rows at a time, each finished row's slot
+    # taking the next prompt (python -m logra_jax.plan: 256 rows at once do not fit 16 GiB per TPU v5e chip).
+    c.rollout.slots = 32
     if variant == "runlocal":
         c.rollout.update(prompts_per_step=8, max_new_tokens=64)
         c.task.eval_size = 16

@@ -4,19 +4,21 @@
   python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=cpu:8 --hbm_gib=16
 
 Every phase of `logra_jax.train` is built by the same code the job runs (logra_jax.phases, logra_jax.sft,
-logra_jax.rl.sampler), lowered from abstract sharded inputs (nothing is allocated) and compiled for the target's
+logra_jax.rollout), lowered from abstract sharded inputs (nothing is allocated) and compiled for the target's
 devices (logra_jax.aot: the TPU compiler for v4/v5e/v5p/v6e, XLA:GPU for h100/h200/a100, each in its own venv;
 fake XLA:CPU devices for cpu:N). A phase's per-device bytes are its program's (argument + output + temp − alias,
 `compiled.memory_analysis()`) plus what the job keeps alive beside it and the program does not take:
   start         the weights created (or read) into their shards
   warm start    the SFT step: weights, AdamW moments, batch (only with sft.steps > 0)
   trainer init  the optimizer state created from the donated weights
-  rollout       the colocated engine's generate (its float32 weights, KV cache of prompts_per_step /
-                rollout.prompt_chunks prompts) + the train state and any reference beside it
+  rollout       the colocated engine's largest program (its prefill into slots, or a decode chunk over the whole
+                cache; compute-dtype weights in the decode layout, KV cache of rollout.slots rows) + the train
+                state and any reference beside it
   KL reference  the reference policy's log-probs (only with algorithm.kl_beta > 0)
   train step    the RL step with its KL probe + the engine's weights and any reference
-  policy sync   the engine's merge of the step's low-rank updates + the train state
-  evaluation    greedy decoding of prompts_per_step × num_samples held-out prompts with the trainer's weights
+  policy sync   the engine's publish: the trainer's weights cast and resharded into the decode layout, beside the
+                train state, the reference and the previous engine copy
+  evaluation    the engine's greedy decoding of prompts_per_step × num_samples held-out prompts
 The largest is named. Exit status 0 when every phase fits the HBM (`--hbm_gib`, default the target's per-device
 HBM), 3 when one does not (naming it and what to change), 2 for bad flags, 1 for other errors. A phase that the
 TPU compiler refuses for memory is reported with the bytes the compiler asked for.
@@ -39,8 +41,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from logra_jax.tree_paths import path_str
 
 GIB = 2**30
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -125,8 +125,213 @@ def planning_config(config: Mapping[str, Any]) -> Any:
     return RunConfig.from_dict(d)
 
 
-def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
-                compiler_options: Mapping[str, Any] | None = None, only: Collection[str] | None = None,
+@dataclasses.dataclass
+class _Job:
+    """The objects the job builds, abstract and sharded, that every phase's plan reads: the model and trainer, the
+    train state, the KL reference, the engine's decode layout and the leaves the engine holds beside the trainer's,
+    and the compile function."""
+
+    run: Any
+    mesh: Any
+    prompt_len: int
+    jit: Callable[..., Any]
+    model: Any
+    params: Any
+    rest: Any
+    trainer: Any
+    state: Any
+    trainer_rest: Any
+    ref: Any
+    layout: Any
+    engine: Any
+    engine_copied: int
+    engine_shared: int
+
+    def alive(self, *names: str) -> int:
+        """Per-device bytes of what the job keeps: "state" (train state + the model's other state), "ref" (the KL
+        reference), "engine" (the engine's own copies, not the trainer leaves it shares)."""
+        sizes = {"state": device_bytes((self.state, self.trainer_rest)),
+                 "ref": 0 if self.ref is None else device_bytes(self.ref), "engine": self.engine_copied}
+        return sum(sizes[n] for n in names)
+
+
+def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None,
+         hbm_bytes: float | None) -> _Job:
+    from logra_jax.builders import build_model
+    from logra_jax.phases import Trainer
+    from logra_jax.rollout.engine import DecodeLayout
+    from logra_jax.rollout.sync import flat_params
+    from logra_jax.sharding import abstract_sharded, param_shardings
+
+    options = None if compiler_options is None else dict(compiler_options)
+    jit = lambda f, **kw: jax.jit(f, compiler_options=options, **kw)
+    model, _ = build_model(run.model, mesh, weights=False)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params = abstract_sharded(params, param_shardings(params, mesh))
+    rest = abstract_sharded(rest, param_shardings(rest, mesh))
+    trainer = Trainer.build(run, model, mesh)
+    state = abstract_sharded(trainer.abstract_state, trainer.state_sh)
+    trainer_rest = abstract_sharded(trainer.abstract_rest, trainer.rest_sh)
+    # The reference is stored as the trainer stores its weights (train.py), so it is the state's params' shapes.
+    ref = state.params if run.algorithm.kl_beta > 0 else None
+    layout = engine = None
+    copied = shared_bytes = 0
+    if run.rollout.workers == 0:  # the colocated engine, in its decode layout, built from the trainer's model
+        layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor, hbm_bytes)
+        shared, to_copy = layout.split({**flat_params(trainer_rest), **flat_params(state.params)})
+        engine = layout.abstract
+        copied = sum(device_bytes(layout.leaves[p]) for p in to_copy)
+        shared_bytes = sum(device_bytes(layout.leaves[p]) for p in shared)
+    return _Job(run, mesh, prompt_len, jit, model, params, rest, trainer, state, trainer_rest, ref, layout, engine,
+                copied, shared_bytes)
+
+
+def _prompts(job: _Job, rows: int, mesh: Any) -> tuple[Any, Any]:
+    from logra_jax.sharding import abstract_sharded, batch_shardings
+
+    prompts = jax.ShapeDtypeStruct((rows, job.prompt_len), jnp.int32)
+    prompts = abstract_sharded(prompts, batch_shardings(prompts, mesh))
+    return prompts, _mask(prompts)
+
+
+def _engine_programs(job: _Job, sampling: Any, prompts: int) -> tuple[dict[str, int], str, dict[str, Any]]:
+    """The engine's programs for `prompts` prompts under `sampling` (logra_jax.rollout.slots): start, refill (the
+    prefill of K prompts into slots) and one decode chunk attending over the whole cache. Returns the largest
+    program's bytes, any refusal, and {name: compiled program}."""
+    from logra_jax.rollout import slots as slots_lib
+    from logra_jax.sharding import abstract_sharded
+
+    mesh, graphdef, state = job.layout.mesh, job.layout.graphdef, job.engine
+    prompt_arr, mask = _prompts(job, prompts, mesh)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rows = prompts * sampling.num_samples
+    S, K = slots_lib.num_slots(sampling, rows), slots_lib.prefill_lanes(sampling, prompts, rows)
+    start_bytes, refused, compiled = compiled_bytes(slots_lib.start, graphdef, state, prompt_arr, mask,
+                                                    config=sampling, num_slots=S, mesh=mesh)
+    if compiled is None:
+        return start_bytes, refused, {}
+    out = jax.eval_shape(lambda s, p, m: slots_lib.start(graphdef, s, p, m, config=sampling, num_slots=S, mesh=mesh),
+                         state, prompt_arr, mask)
+    slots, packed, packed_mask = abstract_sharded(out, compiled.output_shardings)
+    lane = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)
+    programs = {"start": (start_bytes, compiled)}
+    refill_bytes, refused, refill = compiled_bytes(slots_lib.refill, graphdef, state, slots, packed, packed_mask,
+                                                   lane(K), lane(S), lane(S), lane(S), config=sampling, mesh=mesh)
+    programs["refill"] = (refill_bytes, refill)
+    if not refused:
+        bucket = job.prompt_len + sampling.max_new_tokens
+        decode_bytes, refused, decode = compiled_bytes(slots_lib.decode, graphdef, state, slots, key,
+                                                       config=sampling, bucket=bucket, mesh=mesh)
+        programs["decode"] = (decode_bytes, decode)
+    largest = max((b for b, _ in programs.values()), key=lambda b: b["total"])
+    return largest, refused, {name: c for name, (_, c) in programs.items()}
+
+
+def _phase_start(job: _Job) -> PhaseBytes:
+    from logra_jax.models.decoder import abstract_model, init_model
+    from logra_jax.sharding import param_shardings
+
+    config = job.model.config
+    init_sh = param_shardings(nnx.split(abstract_model(config))[1], job.mesh)
+    program, refused, _ = compiled_bytes(job.jit(lambda: nnx.split(init_model(config, job.run.model.init_seed))[1],
+                                                 out_shardings=init_sh))
+    return PhaseBytes("start", program, 0, "weights created in their shards (a checkpoint: read slice by slice, one "
+                      "layer's slice of one parameter on the host)", refused)
+
+
+def _phase_warm_start(job: _Job) -> PhaseBytes:
+    from logra_jax.sft import sft_step
+    from logra_jax.sharding import abstract_sharded, batch_shardings
+
+    run = job.run
+    length = job.prompt_len + run.rollout.max_new_tokens
+    graphdef = nnx.split(job.model, nnx.Param, ...)[0]
+    step, sft_init, batch, sft_state_sh = sft_step(graphdef, job.params, job.rest, run.sft, job.mesh, length)
+    sft_state = jax.eval_shape(sft_init, job.params)  # the warm start's own TrainState, shapes only
+    program, refused, _ = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), job.rest,
+                                         abstract_sharded(batch, batch_shardings(batch, job.mesh)))
+    return PhaseBytes("warm start", program, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} sequences of "
+                      f"{length} tokens", refused)
+
+
+def _phase_trainer_init(job: _Job) -> PhaseBytes:
+    program, refused, _ = compiled_bytes(job.trainer.init, job.params, job.rest)
+    return PhaseBytes("trainer init", program, 0, f"{job.run.optimizer.name} state from the donated weights", refused)
+
+
+def _phase_rollout(job: _Job) -> PhaseBytes:
+    from logra_jax.rollout.slots import num_slots
+
+    run = job.run
+    sampling = run.rollout.sampling(eos_id=0, pad_id=0)
+    rows = run.rollout.prompts_per_step * sampling.num_samples
+    program, refused, _ = _engine_programs(job, sampling, run.rollout.prompts_per_step)
+    return PhaseBytes("rollout", program, job.alive("state", "ref") - job.engine_shared,
+                      f"{rows} responses of ≤ {run.rollout.max_new_tokens} tokens in {num_slots(sampling, rows)} "
+                      f"slots; engine weights (decode layout, tensor {job.layout.tensor}) + KV cache", refused)
+
+
+def _phase_kl_reference(job: _Job) -> PhaseBytes:
+    from logra_jax.phases import reference_logprobs
+    from logra_jax.sharding import abstract_sharded, batch_shardings
+
+    run, mesh = job.run, job.mesh
+    ref_fn = reference_logprobs(job.trainer, run, mesh, job.prompt_len)
+    rows = {k: v for k, v in job.trainer.step(run, mesh, job.prompt_len)[1].items()
+            if k in ("tokens", "attention_mask")}
+    program, refused, _ = compiled_bytes(ref_fn, job.ref, job.trainer_rest,
+                                         abstract_sharded(rows, batch_shardings(rows, mesh)))
+    return PhaseBytes("KL reference", program, job.alive("state", "engine"), "the reference policy's log-probs",
+                      refused)
+
+
+def _phase_train_step(job: _Job) -> PhaseBytes:
+    from logra_jax.sharding import abstract_sharded, batch_shardings
+
+    run, mesh = job.run, job.mesh
+    step_fn, batch, probe = job.trainer.step(run, mesh, job.prompt_len)
+    program, refused, _ = compiled_bytes(step_fn, job.state, job.trainer_rest,
+                                         abstract_sharded(batch, batch_shardings(batch, mesh)),
+                                         None if probe is None else abstract_sharded(probe, batch_shardings(probe,
+                                                                                                            mesh)))
+    probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
+    rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    return PhaseBytes("train step", program, job.alive("engine", "ref"),
+                      f"{rows} sequences in {run.train.microbatches} microbatches{probe_note}", refused)
+
+
+def _phase_policy_sync(job: _Job) -> PhaseBytes:
+    """The engine's publish: the trainer's weights cast and resharded into the decode layout (the job's own
+    program, `DecodeLayout.cast`), while the previous engine copy is still alive."""
+    from logra_jax.rollout.sync import flat_params
+
+    shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
+    program, refused, _ = compiled_bytes(job.layout.cast(tuple(to_copy)), to_copy)
+    return PhaseBytes("policy sync", program, job.alive("state", "ref", "engine") - device_bytes(to_copy),
+                      f"the trainer's weights cast to {job.layout.config.param_dtype} and resharded into the decode "
+                      f"layout ({len(to_copy)} leaves; {len(shared)} shared as they are)", refused)
+
+
+def _phase_evaluation(job: _Job) -> PhaseBytes:
+    from logra_jax.rollout.slots import num_slots
+
+    run = job.run
+    greedy = run.rollout.sampling(eos_id=0, pad_id=0, greedy=True)
+    rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    program, refused, _ = _engine_programs(job, greedy, rows)
+    return PhaseBytes("evaluation", program, job.alive("state", "ref") - job.engine_shared,
+                      f"greedy decoding of {rows} held-out prompts by the engine, {num_slots(greedy, rows)} slots",
+                      refused)
+
+
+_PHASE_PLANS: dict[str, Callable[[_Job], PhaseBytes]] = {
+    "start": _phase_start, "warm start": _phase_warm_start, "trainer init": _phase_trainer_init,
+    "rollout": _phase_rollout, "KL reference": _phase_kl_reference, "train step": _phase_train_step,
+    "policy sync": _phase_policy_sync, "evaluation": _phase_evaluation}
+
+
+def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mapping[str, Any] | None = None,
+                only: Collection[str] | None = None, hbm_bytes: float | None = None,
                 progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
     """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
 
@@ -136,123 +341,18 @@ def plan_phases(run: Any, mesh: jax.sharding.Mesh, prompt_len: int, *,
       prompt_len: prompt tokens per sequence (the job measures it from its data; the paper's recipe: 512).
       compiler_options: XLA options for every compilation (e.g. `sharding.FAST_CPU_COMPILE` for XLA:CPU).
       only: the names of the phases to compile (default all; `PHASES`).
+      hbm_bytes: the devices' memory (the engine's default decode layout depends on it).
       progress: called with each phase's name before it compiles.
     """
-    from logra_jax.builders import build_model
-    from logra_jax.models.decoder import abstract_model, init_model, parameter_shardings
-    from logra_jax.optim import apply_updates
-    from logra_jax.phases import Trainer, reference_logprobs
-    from logra_jax.rl.sampler import generate
-    from logra_jax.sft import sft_step
-    from logra_jax.sharding import abstract_sharded, batch_shardings, param_shardings
-
-    options = None if compiler_options is None else dict(compiler_options)
-    jit = lambda f, **kw: jax.jit(f, compiler_options=options, **kw)
-    model, _ = build_model(run.model, mesh, weights=False)
-    config = model.config
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params_sh = param_shardings(params, mesh)
-    params = abstract_sharded(params, params_sh)
-    rest = abstract_sharded(rest, param_shardings(rest, mesh))
-    phases: list[PhaseBytes] = []
-    wanted = lambda name: only is None or name in only
-
-    if wanted("start"):
-        progress("start")
-        init_sh = param_shardings(nnx.split(abstract_model(config))[1], mesh)
-        program, refused, _ = compiled_bytes(jit(lambda: nnx.split(init_model(config, run.model.init_seed))[1],
-                                                 out_shardings=init_sh))
-        phases.append(PhaseBytes("start", program, 0, "weights created in their shards (a checkpoint: read slice "
-                                 "by slice, one layer's slice of one parameter on the host)", refused))
-
-    if run.sft.steps and wanted("warm start"):
-        progress("warm start")
-        length = prompt_len + run.rollout.max_new_tokens
-        step, sft_init, batch, sft_state_sh = sft_step(graphdef, params, rest, run.sft, mesh, length)
-        sft_state = jax.eval_shape(sft_init, params)  # the warm start's own TrainState, shapes only
-        program, refused, _ = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), rest,
-                                             abstract_sharded(batch, batch_shardings(batch, mesh)))
-        phases.append(PhaseBytes("warm start", program, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} "
-                                 f"sequences of {length} tokens", refused))
-
-    trainer = Trainer.build(run, model, mesh)
-    state = abstract_sharded(trainer.abstract_state, trainer.state_sh)
-    trainer_rest = abstract_sharded(trainer.abstract_rest, trainer.rest_sh)
-    if wanted("trainer init"):
-        progress("trainer init")
-        program, refused, _ = compiled_bytes(trainer.init, params, rest)
-        phases.append(PhaseBytes("trainer init", program, 0, f"{run.optimizer.name} state from the donated "
-                                 "weights", refused))
-
-    ref = params if run.algorithm.kl_beta > 0 else None
-    engine = None
-    if run.rollout.workers == 0:  # the colocated engine's own float32 copy, in the trainer's shardings
-        engine_sh = parameter_shardings(config, mesh)
-        engine = jax.tree_util.tree_map_with_path(
-            lambda k, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=engine_sh[path_str(k)]),
-            nnx.split(abstract_model(config))[1])
-    alive = {"state": device_bytes((state, trainer_rest)), "ref": device_bytes(ref) if ref is not None else 0,
-             "engine": device_bytes(engine) if engine is not None else 0}
-    n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
-    prompts = jax.ShapeDtypeStruct((run.rollout.prompts_per_step, prompt_len), jnp.int32)
-    prompts = abstract_sharded(prompts, batch_shardings(prompts, mesh))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    chunked = f"{run.rollout.prompts_per_step // run.rollout.prompt_chunks} prompts at a time"
-
-    if engine is not None and wanted("rollout"):
-        progress("rollout")
-        sampling = run.rollout.sampling(eos_id=0, pad_id=0)
-        program, refused, _ = compiled_bytes(generate, nnx.split(abstract_model(config))[0], engine, prompts,
-                                             _mask(prompts), key, config=sampling, mesh=mesh)
-        phases.append(PhaseBytes("rollout", program, alive["state"] + alive["ref"],
-                                 f"{n_rows} responses of ≤ {run.rollout.max_new_tokens} tokens, {chunked}; "
-                                 "engine weights + KV cache", refused))
-
-    if ref is not None and wanted("KL reference"):
-        progress("KL reference")
-        ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
-        rows = {k: v for k, v in trainer.step(run, mesh, prompt_len)[1].items() if k in ("tokens", "attention_mask")}
-        program, refused, _ = compiled_bytes(ref_fn, ref, trainer_rest,
-                                             abstract_sharded(rows, batch_shardings(rows, mesh)))
-        phases.append(PhaseBytes("KL reference", program, alive["state"] + alive["engine"],
-                                 "the reference policy's log-probs", refused))
-
-    sync = engine is not None and wanted("policy sync")
-    if wanted("train step") or sync:
-        progress("train step")
-        step_fn, batch, probe = trainer.step(run, mesh, prompt_len)
-        args = (state, trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
-                None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
-        program, refused, compiled = compiled_bytes(step_fn, *args)
-        probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
-        if wanted("train step"):
-            phases.append(PhaseBytes("train step", program, alive["engine"] + alive["ref"],
-                                     f"{n_rows} sequences in {run.train.microbatches} microbatches{probe_note}",
-                                     refused))
-
-    if sync:
-        progress("policy sync")
-        updates = jax.eval_shape(step_fn, *args)[2]
-        updates_sh = None if compiled is None else compiled.output_shardings[2]
-        updates = updates if updates_sh is None else abstract_sharded(updates, updates_sh)
-        engine_tree_sh = jax.tree.map(lambda x: x.sharding, engine)
-        merge = jit(apply_updates, donate_argnums=0, out_shardings=engine_tree_sh)
-        program, refused, _ = compiled_bytes(merge, engine, _engine_view(updates, engine))
-        phases.append(PhaseBytes("policy sync", program, alive["state"] + alive["ref"],
-                                 "the engine merges the step's low-rank factors", refused))
-
-    if wanted("evaluation"):
-        progress("evaluation")
-        greedy = run.rollout.sampling(eos_id=0, pad_id=0, greedy=True)
-        eval_prompts = jax.ShapeDtypeStruct((n_rows, prompt_len), jnp.int32)
-        eval_prompts = abstract_sharded(eval_prompts, batch_shardings(eval_prompts, mesh))
-        program, refused, _ = compiled_bytes(generate, trainer.graphdef,
-                                             nnx.merge_state(state.params, trainer_rest), eval_prompts,
-                                             _mask(eval_prompts), key, config=greedy, mesh=mesh)
-        phases.append(PhaseBytes("evaluation", program,
-                                 device_bytes(state.opt_state) + alive["engine"] + alive["ref"],
-                                 f"greedy decoding of {n_rows} held-out prompts, "
-                                 f"{n_rows // run.rollout.prompt_chunks} at a time", refused))
+    job = _job(run, mesh, prompt_len, compiler_options, hbm_bytes)
+    applies = {"warm start": bool(run.sft.steps), "KL reference": job.ref is not None,
+               "rollout": job.layout is not None, "policy sync": job.layout is not None,
+               "evaluation": job.layout is not None}
+    phases = []
+    for name, plan in _PHASE_PLANS.items():
+        if applies.get(name, True) and (only is None or name in only):
+            progress(name)
+            phases.append(plan(job))
     return phases
 
 
@@ -278,14 +378,6 @@ def _mask(prompts: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(prompts.shape, jnp.bool_, sharding=prompts.sharding)
 
 
-def _engine_view(updates: Any, engine: Any) -> Any:
-    """The step's update tree restricted to the engine's parameters (the trainer's tree may hold more)."""
-    from logra_jax.transport.sync import flat_params
-
-    flat = flat_params(updates)
-    return jax.tree_util.tree_map_with_path(lambda k, _: flat.get(path_str(k)), engine)
-
-
 PHASES = ("start", "warm start", "trainer init", "rollout", "KL reference", "train step", "policy sync",
           "evaluation")
 # What to change when a phase does not fit.
@@ -294,13 +386,13 @@ ADVICE = {
     "warm start": "a smaller sft.batch_size, sft.steps = 0 (a checkpoint that already answers in format), or more "
                   "devices",
     "trainer init": "more devices, or a leaner optimizer (LoGRA instead of AdamW)",
-    "rollout": "a larger rollout.prompt_chunks (the KV cache holds prompts_per_step / prompt_chunks prompts), "
-               "rollout.workers = 1 on other devices, or more devices",
+    "rollout": "fewer rollout.slots (the KV cache holds `slots` rows), a larger rollout.decode_tensor (the engine's "
+               "weights split over more devices), rollout.workers = 1 on other devices, or more devices",
     "KL reference": "more devices, or algorithm.kl_beta = 0",
     "train step": "more train.microbatches (activations per microbatch), fewer optimizer.probe_responses, or more "
                   "devices",
-    "policy sync": "more devices",
-    "evaluation": "a larger rollout.prompt_chunks, or more devices",
+    "policy sync": "a larger rollout.decode_tensor, or more devices",
+    "evaluation": "fewer rollout.slots, a larger rollout.decode_tensor, or more devices",
 }
 
 
@@ -338,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"compile only these phases (default all: {', '.join(PHASES)})")
     parser.add_argument("--json", default="", help="also write the phases as JSON to this file")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a config field, e.g. --set rollout.prompt_chunks=4 (repeatable)")
+                        help="override a config field, e.g. --set rollout.slots=64 (repeatable)")
     args = parser.parse_args(argv)
     from logra_jax import aot
 
@@ -364,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{run.optimizer.name}; jax {jax.__version__})", flush=True)
     phases = plan_phases(run, mesh, prompt_len,
                          compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None, only=args.phases,
+                         hbm_bytes=None if info.platform == "cpu" else hbm,
                          progress=lambda name: print(f"  compiling {name} ...", flush=True))
     text, status = report(phases, hbm)
     print(text)

@@ -25,8 +25,8 @@ from logra_jax.optim.update_ratio import SCOPES
 from logra_jax.rl.advantages import ESTIMATORS, WHITENINGS
 from logra_jax.rl.losses import AGGREGATIONS, POLICIES, LossConfig
 from logra_jax.rl.prompts import PROMPT_STYLES
-from logra_jax.rl.sampler import SamplingConfig
 from logra_jax.rl.tasks import GENERATED_KINDS, TaskSpec
+from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.sharding import MeshConfig
 
 
@@ -176,9 +176,11 @@ class SFTSection:
 class RolloutSection:
     """prompts_per_step × num_samples responses per update, up to max_new_tokens each; sampling settings;
     workers: 0 = colocated rollout engine, 1 = a separate rollout worker process (low-rank policy sync);
-    prompt_chunks: the prompts of a step (and of an evaluation batch) are generated in this many sequential chunks,
-    so the KV cache holds prompts_per_step / prompt_chunks prompts at a time (`python -m logra_jax.plan` says when
-    the rollout needs it)."""
+    slots: rows decoded at once (continuous batching: a finished row's slot takes the next waiting row; the KV
+    cache holds `slots` rows; 0 = every row at once; `python -m logra_jax.plan` says when the rollout needs fewer);
+    decode_steps: decode steps between two refills; length_buckets: decode attends over the filled part of the
+    cache in this many length steps; decode_tensor: t, the colocated engine's tensor-parallel group (its weights
+    split over t devices, replicated over the n / t groups; 0 = chosen from the model and the devices)."""
 
     prompts_per_step: int = 16
     num_samples: int = 4
@@ -187,17 +189,21 @@ class RolloutSection:
     top_k: int = 0
     top_p: float = 1.0
     workers: int = 0
-    prompt_chunks: int = 1
+    slots: int = 0
+    decode_steps: int = 8
+    length_buckets: int = 4
+    decode_tensor: int = 0
 
     def sampling(self, eos_id: int, pad_id: int, *, greedy: bool = False) -> SamplingConfig:
         """The sampler's settings for a tokenizer's eos/pad ids; greedy: one temperature-0 response per prompt
         (evaluation)."""
+        schedule = dict(slots=self.slots, decode_steps=self.decode_steps, length_buckets=self.length_buckets)
         if greedy:
             return SamplingConfig(max_new_tokens=self.max_new_tokens, eos_id=eos_id, pad_id=pad_id, num_samples=1,
-                                  temperature=0.0, prompt_chunks=self.prompt_chunks)
+                                  temperature=0.0, **schedule)
         return SamplingConfig(max_new_tokens=self.max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                               num_samples=self.num_samples, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, prompt_chunks=self.prompt_chunks)
+                              top_p=self.top_p, **schedule)
 
     def validate(self) -> None:
         _check_range("rollout", "prompts_per_step", self.prompts_per_step, 1)
@@ -207,10 +213,10 @@ class RolloutSection:
         _check_range("rollout", "top_k", self.top_k, 0)
         _check_range("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_choice("rollout", "workers", self.workers, (0, 1))
-        _check_range("rollout", "prompt_chunks", self.prompt_chunks, 1)
-        if self.prompts_per_step % self.prompt_chunks:
-            _fail("rollout.prompt_chunks", self.prompt_chunks, f"must divide rollout.prompts_per_step = "
-                  f"{self.prompts_per_step}")
+        _check_range("rollout", "slots", self.slots, 0)
+        _check_range("rollout", "decode_steps", self.decode_steps, 1)
+        _check_range("rollout", "length_buckets", self.length_buckets, 1)
+        _check_range("rollout", "decode_tensor", self.decode_tensor, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,8 @@ from logra_jax.rl.objective import (
 )
 from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
 from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
-from logra_jax.rl.sampler import Sampler
+from logra_jax.rollout.engine import rollout_engine
+from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.run_config import RunConfig
 from logra_jax.sft import cached_warm_start, supervised_warm_start
 from logra_jax.sharding import (
@@ -72,8 +73,6 @@ from logra_jax.sharding import (
     replicated,
     to_global,
 )
-from logra_jax.transport.rollout_worker import rollout_engine
-from logra_jax.transport.sync import PolicySync, flat_params
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")
@@ -350,20 +349,19 @@ class _Trainer:
     data_iter: Any
     ref_logprobs: Any
     engine: Any
-    sync: PolicySync
-    greedy: Sampler
+    greedy: SamplingConfig
     start: int
     accuracy_before: float = float("nan")
 
     def evaluate(self, run: RunConfig, log: metrics_lib.Logger, show: str = "") -> float:
-        """Held-out greedy accuracy with the trainer's current weights, rows over the mesh's batch axes (the KV
-        cache sharded like a rollout's); with `show`, log the first problems' greedy responses under that label."""
+        """Held-out greedy accuracy with the trainer's current weights, decoded by the rollout engine (which holds
+        them after every update); with `show`, log the first problems' greedy responses under that label."""
         job, rows = self.job, run.rollout.prompts_per_step * run.rollout.num_samples
         rows_sh = batch_shardings(jax.ShapeDtypeStruct((rows, job.prompt_len), jnp.int32), job.mesh)
 
         def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Any:
             prompts, mask = to_global((prompts, mask), (rows_sh, rows_sh))
-            out = self.greedy(prompts, mask, key, state=nnx.merge_state(self.state.params, self.rest))
+            out = self.engine.generate(prompts, mask, key, config=self.greedy)
             return jax.device_put(out, replicated(job.mesh)) if jax.process_count() > 1 else out
 
         accuracy, responses = greedy_accuracy(greedy_on_mesh, job.tasks.eval_problems, job.tokenizer, job.fmt,
@@ -385,8 +383,11 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
                                     **run.algorithm.estimator_options())
     est_state = to_global(estimator.init(), replicated(mesh))
     ref_params = None
-    if run.algorithm.kl_beta > 0:  # the reference policy: the weights RL starts from (after any SFT), on the mesh
-        ref_params = jax.tree.map(jnp.copy, nnx.state(job.model, nnx.Param))
+    if run.algorithm.kl_beta > 0:
+        # The reference policy: the weights RL starts from (after any SFT), on the mesh, stored as the trainer
+        # stores its own (optimizer.weight_dtype): the policy at step 0, bit for bit, at the policy's bytes.
+        ref_params = jax.tree.map(lambda w, a: w.astype(a.dtype) if w.dtype != a.dtype else jnp.copy(w),
+                                  nnx.state(job.model, nnx.Param), trainer.abstract_state.params)
     resume_step = candidates[0] if candidates else None
     if resume_step is None:
         _, params, rest = nnx.split(job.model, nnx.Param, ...)
@@ -408,19 +409,16 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
         ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
         ref_logprobs = lambda b: ref_fn(ref_params, rest, {k: b[k] for k in ("tokens", "attention_mask")})
     tokenizer = job.tokenizer
-    options = ({} if run.rollout.workers else
-               {"shardings": {**flat_params(trainer.state_sh.params), **flat_params(trainer.rest_sh)}})
     engine = rollout_engine(run.rollout.workers, trainer.model().config,
-                            run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), **options)
+                            run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), mesh, state.params, rest,
+                            version=int(state.step), trained=trainer.plan.dense_paths(state.params),
+                            decode_tensor=run.rollout.decode_tensor)
     opened.append(engine)
-    sync = PolicySync(engine.sync, state.params, version=int(state.step),
-                      trained=trainer.plan.dense_paths(state.params), on_device=engine.on_device)
-    greedy = Sampler(trainer.model(), run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True),
-                     mesh=mesh)
+    greedy = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
     t = _Trainer(job, state, rest, estimator, est_state, trainer.plan, step_fn,
                  batch_shardings(batch_shapes, mesh),
                  None if probe_shapes is None else batch_shardings(probe_shapes, mesh), mine, data_iter,
-                 ref_logprobs, engine, sync, greedy, start=resume_step or 0)
+                 ref_logprobs, engine, greedy, start=resume_step or 0)
     if resume_step is not None:
         data_iter.set_state(data_state)
         writer.truncate_after(resume_step)
@@ -483,8 +481,8 @@ def _rl_loop(run: RunConfig, job: _Start, t: _Trainer, log: metrics_lib.Logger, 
         t.state, out, updates = t.step_fn(t.state, t.rest, batch, probe)
         # Wait for the step (its metrics) before timing the sync, so that sync_time is the sync's own.
         out = {k: float(v) for k, v in jax.device_get(out).items()}
-        report = t.sync.push(updates, t.state.params)
-        out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(t.sync.resyncs))
+        report = t.engine.publish(updates, t.state.params)
+        out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(t.engine.resyncs))
         local_rewards = np.asarray(local_rewards, np.float64)
         sums = multihost.gather(np.array([
             local_rewards.sum(), (local_rewards >= reward_cfg.correct).sum(),

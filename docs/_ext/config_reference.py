@@ -64,9 +64,14 @@ FIELD_MEANINGS: dict[str, str] = {
                            "probe).",
     "rollout.top_k": "Top-k sampling (0 = off).",
     "rollout.top_p": "Nucleus sampling (1 = off).",
-    "rollout.prompt_chunks": "Generate a step's prompts (and an evaluation batch) in this many sequential "
-                             "chunks, so the KV cache holds `prompts_per_step / prompt_chunks` prompts at a time "
-                             "(must divide `prompts_per_step`).",
+    "rollout.slots": "Rows the engine decodes at once (continuous batching): the KV cache holds `slots` rows "
+                     "and a finished row's slot takes the next waiting prompt × sample; 0 = every row at once.",
+    "rollout.decode_steps": "Decode steps the engine runs between two looks at which rows finished (refills).",
+    "rollout.length_buckets": "Decode attends over the filled part of the KV cache, in this many length steps "
+                              "(one compiled decode step per step used).",
+    "rollout.decode_tensor": "The colocated engine's tensor-parallel group size t: its compute-dtype weights are "
+                             "split over t devices and replicated over the n / t groups, each decoding its own "
+                             "slots; 0 = chosen from the model and the devices.",
     "rollout.workers": "0: the rollout engine runs in the trainer's process; 1: a separate rollout worker "
                        "process, synchronised with low-rank payloads (method §6).",
     "algorithm.estimator": "Advantage estimator, one of {ESTIMATORS}.",

@@ -102,10 +102,10 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
     from logra_jax.models.decoder import init_model
     from logra_jax.optim.lowrank import is_lowrank
     from logra_jax.optimizers import build_optimizer
-    from logra_jax.rl.sampler import SamplingConfig
+    from logra_jax.rollout.sampling import SamplingConfig
+    from logra_jax.rollout.sync import PolicySync, flat_params
+    from logra_jax.rollout.worker import InProcessTransport
     from logra_jax.train_step import step_shardings
-    from logra_jax.transport.rollout_worker import InProcessTransport
-    from logra_jax.transport.sync import PolicySync, flat_params
 
     device = jax.local_devices()[0]
     report.update(device=device.device_kind, platform=device.platform, jax=jax.__version__,

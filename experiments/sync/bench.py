@@ -39,9 +39,9 @@ from logra_jax.models.decoder import abstract_model, init_model
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import find_targets
-from logra_jax.rl.sampler import SamplingConfig
-from logra_jax.transport.rollout_worker import InProcessTransport, WorkerProcessTransport
-from logra_jax.transport.sync import PolicySync, SyncPayload, TargetFactor, flat_params, snapshot_payload
+from logra_jax.rollout.sampling import SamplingConfig
+from logra_jax.rollout.sync import PolicySync, SyncPayload, TargetFactor, flat_params, snapshot_payload
+from logra_jax.rollout.worker import InProcessTransport, WorkerProcessTransport
 from logra_jax.tree_paths import path_str
 
 HERE = Path(__file__).resolve().parent

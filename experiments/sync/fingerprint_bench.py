@@ -41,7 +41,7 @@ def _old_module(name: str, path: str, tmp: Path):
 def main() -> None:
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 15
     with tempfile.TemporaryDirectory() as tmp:
-        old_sync = _old_module("old_sync", "logra_jax/transport/sync.py", Path(tmp))
+        old_sync = _old_module("old_sync", "logra_jax/rollout/sync.py", Path(tmp))
         old_ckpt = _old_module("old_checkpoint", "logra_jax/checkpoint.py", Path(tmp))
     fns = {"old sync weight_fingerprint": old_sync.weight_fingerprint,
            "old checkpoint _leaf_fingerprints": lambda t: old_ckpt._leaf_fingerprints(jax.tree.leaves(t)),

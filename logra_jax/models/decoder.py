@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.models.layers import MLP, Attention, Linear, RMSNorm
+from logra_jax.models.layers import MLP, Attention, Linear, RMSNorm, write_rows
 from logra_jax.sharding import constrain, param_shardings
 from logra_jax.tree_paths import path_str
 
@@ -29,7 +29,8 @@ KV_AXES = ("layers", "batch", "length", "act_kv_heads", None)
 
 class KVCache(NamedTuple):
     """Decoding state. k, v: [L, B, S, Hkv, hd]; valid: [B, S] slots holding real tokens;
-    positions: [B] next RoPE position per sequence; index: next slot to write (shared by the batch)."""
+    positions: [B] next RoPE position per sequence; index: [B] next slot to write, per sequence (a continuous-
+    batching engine refills one row's slots while the others go on)."""
 
     k: jax.Array
     v: jax.Array
@@ -117,7 +118,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         x = self._embed(tokens)
-        x, _ = self._run_blocks(x, positions, jnp.arange(T), mask, None)
+        x, _ = self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None)
         return self.final_norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -143,25 +144,27 @@ class Decoder(nnx.Module):
         dtype = self.compute_dtype if dtype is None else dtype
         return KVCache(k=constrain(jnp.zeros(shape, dtype), KV_AXES), v=constrain(jnp.zeros(shape, dtype), KV_AXES),
                        valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch,), jnp.int32),
-                       index=jnp.zeros((), jnp.int32))
+                       index=jnp.zeros((batch,), jnp.int32))
 
     def forward_cached(self, tokens: jax.Array, cache: KVCache, *, attention_mask: jax.Array | None = None
                        ) -> tuple[jax.Array, KVCache]:
         """Append `tokens` [B, T] to the cache and return their logits [B, T, V] and the new cache.
 
         Used for prefill (T = prompt length, attention_mask marking padding, left or right) and for decoding
-        (T = 1). Slots are written at cache.index for the whole batch; each sequence keeps its own positions.
+        (T = 1). Row b's tokens are written at slots cache.index[b] … + T − 1 and each row keeps its own positions;
+        a row whose tokens are all masked (a finished sequence fed padding) writes invalid slots and keeps its index.
         """
         B, T = tokens.shape
         mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
         positions = cache.positions[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
-        q_slots = cache.index + jnp.arange(T)
+        valid = write_rows(cache.valid, mask, cache.index)
+        q_slots = cache.index[:, None] + jnp.arange(T)
         x = self._embed(tokens)
         x, (k, v) = self._run_blocks(x, positions, q_slots, valid, cache)
         logits = self.logits(self.final_norm(x))
+        advance = jnp.where(mask.any(axis=1), T, 0).astype(jnp.int32)
         new_cache = KVCache(k=k, v=v, valid=valid, positions=cache.positions + mask.sum(1).astype(jnp.int32),
-                            index=cache.index + T)
+                            index=cache.index + advance)
         return logits, new_cache
 
 

@@ -1,7 +1,7 @@
 """Greedy decoding for checks and demos: a small batched greedy decoder over `Decoder.forward_cached`.
 
 Left-padded prefill, then one argmax token per step; the RL sampler (temperature, top-p, log-probs) lives in
-logra_jax/rl/sampler.py.
+logra_jax/rollout/sampling.py.
 """
 
 from __future__ import annotations

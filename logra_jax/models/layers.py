@@ -17,6 +17,12 @@ from flax import nnx
 from logra_jax.models.config import ModelConfig
 from logra_jax.sharding import constrain
 
+
+def write_rows(buffer: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
+    """buffer [B, S, ...] with rows [B, T, ...] (cast to its dtype) written at [b, index[b] : index[b] + T]."""
+    return jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), i, 0))(
+        buffer, rows, index)
+
 # Finite mask value: a fully masked row (a padding query) softmaxes to uniform instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -129,11 +135,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interlea
 
 def _dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, key_valid: jax.Array
                      ) -> jax.Array:
-    """softmax(q kᵀ/√hd + mask) v with q [B, T, Hkv, G, hd], k/v [B, S, Hkv, hd]; mask: key valid and causal."""
+    """softmax(q kᵀ/√hd + mask) v with q [B, T, Hkv, G, hd], k/v [B, S, Hkv, hd]; mask: key valid and causal
+    (key slot ≤ the query's slot, q_slots [B, T])."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     key_slots = jnp.arange(k.shape[1])
-    mask = key_valid[:, None, :] & (key_slots[None, None, :] <= q_slots[None, :, None])  # [B, T, S]
+    mask = key_valid[:, None, :] & (key_slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
@@ -161,7 +168,7 @@ def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Ar
         m, denom, acc = carry
         kb, vb, validb, slotb = xs
         s = jnp.einsum("btkgh,bskh->bkgts", q, kb, preferred_element_type=jnp.float32) * scale
-        mask = validb[:, None, :] & (slotb[None, None, :] <= q_slots[None, :, None])
+        mask = validb[:, None, :] & (slotb[None, None, :] <= q_slots[:, :, None])
         s = jnp.where(mask[:, None, None], s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
@@ -195,8 +202,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, q_slots: jax.Array, key_valid: jax.Array,
                  cache: tuple[jax.Array, jax.Array] | None = None, write_index: jax.Array | None = None,
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """x [B, T, D] → [B, T, D]. With a cache (k, v [B, S, Hkv, hd]) the new keys are written at
-        `write_index` and attention runs over the whole cache; `key_valid` [B, S] marks real tokens."""
+        """x [B, T, D] → [B, T, D]; q_slots [B, T] are the queries' cache slots (causality). With a cache
+        (k, v [B, S, Hkv, hd]) row b's new keys are written at `write_index[b]` and attention runs over the whole
+        cache; `key_valid` [B, S] marks real tokens."""
         with jax.named_scope("attention"):  # names the buffers in compiled memory reports
             return self._attend(x, positions, q_slots, key_valid, cache, write_index)
 
@@ -214,8 +222,7 @@ class Attention(nnx.Module):
                       ("batch", "length", "act_kv_heads", None))
         v = constrain(v, ("batch", "length", "act_kv_heads", None))
         if cache is not None:
-            cache_k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, write_index, 0, 0))
-            cache_v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, write_index, 0, 0))
+            cache_k, cache_v = (write_rows(c, new, write_index) for c, new in zip(cache, (k, v)))
             cache = (cache_k, cache_v)
             k, v = cache_k.astype(x.dtype), cache_v.astype(x.dtype)
         qg = q.reshape(B, T, c.num_kv_heads, G, c.head_dim)

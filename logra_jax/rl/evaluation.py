@@ -9,8 +9,8 @@ import numpy as np
 
 from logra_jax.rl.prompts import PromptFormat, TextTokenizer, decode_responses, encode_prompts
 from logra_jax.rl.rewards import is_correct
-from logra_jax.rl.sampler import Rollout
 from logra_jax.rl.tasks import Problem
+from logra_jax.rollout.sampling import Rollout
 
 Generate = Callable[[np.ndarray, np.ndarray, jax.Array], Rollout]
 

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import logra_jax.fingerprint as fingerprint_module
 from logra_jax.fingerprint import _fingerprints, _leading_shards, fingerprint, leaf_fingerprints, tree_fingerprint
-from logra_jax.transport.sync import flat_params
+from logra_jax.rollout.sync import flat_params
 
 GOLDEN, OFFSET = 0x9E3779B1, 0x7F4A7C15
 

@@ -7,8 +7,8 @@ import numpy as np
 import optax
 
 from logra_jax.optim import apply_updates, logra
-from logra_jax.transport.rollout_worker import RolloutWeights
-from logra_jax.transport.sync import PolicySync, flat_params
+from logra_jax.rollout.sync import PolicySync, flat_params
+from logra_jax.rollout.worker import RolloutWeights
 
 
 def test_rollout_weights_bitwise_with_momentum_and_held_projections():

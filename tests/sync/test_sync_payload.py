@@ -13,8 +13,7 @@ from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
 from logra_jax.optim.projection import target_projection
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import find_targets
-from logra_jax.transport.rollout_worker import RolloutWeights
-from logra_jax.transport.sync import (
+from logra_jax.rollout.sync import (
     PayloadError,
     PolicySync,
     SyncError,
@@ -25,6 +24,7 @@ from logra_jax.transport.sync import (
     snapshot_payload,
     unpack,
 )
+from logra_jax.rollout.worker import RolloutWeights
 
 RANK = 4
 NORM = "blocks.norm.scale"

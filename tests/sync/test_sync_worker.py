@@ -15,9 +15,12 @@ from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim import LowRankUpdate, apply_updates, find_targets, logra, path_str
 from logra_jax.optim.spec import SketchSpec
-from logra_jax.rl.sampler import Sampler, SamplingConfig
-from logra_jax.transport.rollout_worker import InProcessTransport, WorkerError, WorkerProcessTransport, rollout_engine
-from logra_jax.transport.sync import PolicySync, SyncReply, flat_params
+from logra_jax.rollout.engine import ColocatedEngine, rollout_engine
+from logra_jax.rollout.sampling import SamplingConfig
+from logra_jax.rollout.slots import Sampler
+from logra_jax.rollout.sync import PolicySync, SyncReply, flat_params
+from logra_jax.rollout.worker import InProcessTransport, WorkerError, WorkerProcessTransport
+from logra_jax.sharding import MeshConfig, make_mesh
 
 # its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
 # --dist loadgroup)
@@ -216,8 +219,10 @@ def test_worker_errors_are_clear():
 
 
 def test_rollout_engine_switch():
-    assert isinstance(rollout_engine(0, CONFIG, SAMPLING), InProcessTransport)
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    args = (CONFIG, SAMPLING, mesh, PARAMS0, {})
+    assert isinstance(rollout_engine(0, *args), ColocatedEngine)
     with pytest.raises(ValueError, match="workers must be 0"):
-        rollout_engine(2, CONFIG, SAMPLING)
+        rollout_engine(2, *args)
     with pytest.raises(ValueError, match="only apply to workers=1"):
-        rollout_engine(0, CONFIG, SAMPLING, platform="cpu")
+        rollout_engine(0, *args, platform="cpu")

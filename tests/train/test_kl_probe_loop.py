@@ -14,7 +14,7 @@ from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.predicted_kl import PredictedKLState
 from logra_jax.rl.objective import probe_rows
-from logra_jax.rl.sampler import Rollout
+from logra_jax.rollout.sampling import Rollout
 from logra_jax.train import KLRefusalError, _probe_batch, train_and_evaluate
 from logra_jax.train_step import KLProbeConfig, TrainState, make_train_step, next_token_loss
 

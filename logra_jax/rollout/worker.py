@@ -1,13 +1,15 @@
-"""The rollout side of policy sync: `RolloutWeights` (float32 masters kept bitwise equal to the trainer's by the
-payloads of logra_jax.transport.sync) and the engine around them, in-process (colocated) or in a worker process.
+"""The receiving end of low-rank policy sync: `RolloutWeights` (float32 masters kept bitwise equal to the
+trainer's by the payloads of logra_jax.rollout.sync) and the engine around them, in a worker process
+(`WorkerProcessTransport`, what `logra_jax.rollout.engine.WorkerEngine` drives) or in this process
+(`InProcessTransport`: the same receiver without a process boundary, for tests and benchmarks of the payload route).
 
-Both transports expose the same calls, so an RL loop switches with one setting (`rollout_engine(workers=0|1)`):
-sync(payload | bytes) -> SyncReply; generate(prompts, prompt_mask, key) -> Rollout (logra_jax.rl.sampler, on the
-engine's current weights); fetch() -> (version, {path: array}); counts(); close().
-The worker (`python -m logra_jax.transport.rollout_worker --connect HOST:PORT`) connects back to a loopback socket the
+Both transports expose the same calls: sync(payload | bytes) -> SyncReply; generate(prompts, prompt_mask, key,
+config=None) -> Rollout (logra_jax.rollout.slots, on the engine's current weights); fetch() -> (version, {path:
+array}); counts(); close().
+The worker (`python -m logra_jax.rollout.worker --connect HOST:PORT`) connects back to a loopback socket the
 trainer listens on, receives the model and sampling configs and the JAX numerics flags that must match the
 trainer's (default matmul precision, threefry partitioning, x64), then serves one request at a time. Frames:
-u64 little-endian length, an op byte, a body framed by `logra_jax.transport.sync.pack` (a sync carries the payload's own
+u64 little-endian length, an op byte, a body framed by `logra_jax.rollout.sync.pack` (a sync carries the payload's own
 bytes); replies are packed {"ok": ...} frames. The worker runs on the trainer's platform by default (bitwise sync
 needs the same backend on both ends) and, on CPU, on one device whatever XLA_FLAGS asked for.
 """
@@ -39,8 +41,9 @@ from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model
 from logra_jax.optim.lowrank import apply_updates
-from logra_jax.rl.sampler import Rollout, Sampler, SamplingConfig
-from logra_jax.transport.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack
+from logra_jax.rollout.sampling import Rollout, SamplingConfig
+from logra_jax.rollout.slots import Sampler
+from logra_jax.rollout.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack
 from logra_jax.tree_paths import path_str
 
 _OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
@@ -59,7 +62,7 @@ class RolloutWeights:
     """The rollout engine's float32 masters, kept bitwise equal to the trainer's through payloads.
 
     Example:
-      >>> from logra_jax.transport.sync import snapshot_payload
+      >>> from logra_jax.rollout.sync import snapshot_payload
       >>> params = {"q_proj": {"kernel": jnp.ones((4, 8))}}
       >>> rollout = RolloutWeights(jax.eval_shape(lambda: params))
       >>> rollout.receive(snapshot_payload(params, 0)).status
@@ -176,11 +179,14 @@ class RolloutWorker:
     def sync(self, payload: SyncPayload | bytes) -> SyncReply:
         return self.weights.receive(payload)
 
-    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array) -> Rollout:
-        """Sample with the current weights. Raises RuntimeError before the first snapshot."""
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
+        """Sample with the current weights (config: other sampling settings, e.g. greedy). Raises RuntimeError
+        before the first snapshot."""
         if self.weights.params is None:
             raise RuntimeError("RolloutWorker.generate: no weights yet (send a snapshot first)")
-        return self.sampler(jnp.asarray(prompts), jnp.asarray(prompt_mask), key, state=self.weights.params)
+        return self.sampler(jnp.asarray(prompts), jnp.asarray(prompt_mask), key, state=self.weights.params,
+                            config=config)
 
     def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
         params = self.weights.params
@@ -201,11 +207,12 @@ class RolloutWorker:
 
 
 class InProcessTransport(RolloutWorker):
-    """Colocated engine: the RolloutWorker in the trainer's process, with its own float32 copy of the weights.
+    """The payload receiver in the trainer's process, with its own float32 copy of the weights (the payload route
+    without a process boundary; the job's colocated engine is `logra_jax.rollout.engine.ColocatedEngine`).
 
-    Payloads are handed over as device arrays (`SyncPayload.on_device`); with `shardings` (the trainer's) the
-    copy lives on the trainer's mesh, each process of a multi-process run holding and updating its own shards,
-    and `generate` takes and returns global arrays."""
+    Payloads are handed over as device arrays (`SyncPayload.on_device`); with `shardings` the copy lives on that
+    mesh, each process of a multi-process run holding and updating its own shards, and `generate` takes and
+    returns global arrays."""
 
     on_device = True
 
@@ -280,7 +287,7 @@ class WorkerProcessTransport:
         port = listener.getsockname()[1]
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "logra_jax.transport.rollout_worker", "--connect", f"127.0.0.1:{port}"],
+                [sys.executable, "-m", "logra_jax.rollout.worker", "--connect", f"127.0.0.1:{port}"],
                 env={**_worker_env(platform or jax.default_backend()), **(env or {})}, stdout=log,
                 stderr=subprocess.STDOUT)
         self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
@@ -352,9 +359,11 @@ class WorkerProcessTransport:
         meta, _ = self._request("sync", data)
         return SyncReply(meta["status"], meta["version"], meta["reason"], meta["seconds"])
 
-    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array) -> Rollout:
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
         impl, key_data = _key_arrays(key)
-        body = pack({"key_impl": impl}, {"prompts": np.asarray(prompts, np.int32),
+        sampling = None if config is None else dataclasses.asdict(config)
+        body = pack({"key_impl": impl, "sampling": sampling}, {"prompts": np.asarray(prompts, np.int32),
                                          "prompt_mask": np.asarray(prompt_mask, bool), "key": key_data})
         _, arrays = self._request("generate", body)
         return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
@@ -399,26 +408,6 @@ def _stop(proc: subprocess.Popen, sock: socket.socket | None, log: Path | None, 
         log.unlink(missing_ok=True)
 
 
-def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig,
-                   **options: Any) -> InProcessTransport | WorkerProcessTransport:
-    """The rollout engine for `config.rollout.workers`: 0 = colocated, 1 = a worker process (options go to it).
-
-    Example:
-      >>> from logra_jax.models.config import preset
-      >>> engine = rollout_engine(0, preset("tiny"), SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0))
-      >>> type(engine).__name__
-      'InProcessTransport'
-    """
-    if workers == 0:
-        if set(options) - {"shardings"}:
-            raise ValueError(f"rollout_engine: options {sorted(set(options) - {'shardings'})} only apply to "
-                             "workers=1")
-        return InProcessTransport(model_config, sampling, **options)
-    if workers == 1:
-        return WorkerProcessTransport(model_config, sampling, **options)
-    raise ValueError(f"rollout_engine: workers must be 0 (colocated) or 1 (worker process), got {workers!r}")
-
-
 def _handle(worker: RolloutWorker | None, op: str, body: memoryview
             ) -> tuple[RolloutWorker | None, dict[str, Any], Mapping[str, np.ndarray]]:
     if op == "hello":
@@ -434,7 +423,8 @@ def _handle(worker: RolloutWorker | None, op: str, body: memoryview
     if op == "generate":
         meta, arrays = unpack(body)
         key = jax.random.wrap_key_data(arrays["key"], impl=meta["key_impl"]) if meta["key_impl"] else arrays["key"]
-        out = worker.generate(arrays["prompts"], arrays["prompt_mask"], key)
+        config = None if meta.get("sampling") is None else SamplingConfig(**meta["sampling"])
+        out = worker.generate(arrays["prompts"], arrays["prompt_mask"], key, config)
         return worker, {}, {name: np.asarray(v) for name, v in out._asdict().items()}
     if op == "counts":
         return worker, {"counts": worker.counts()}, {}

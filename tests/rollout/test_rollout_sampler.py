@@ -1,6 +1,8 @@
-"""Sampler against a full teacher-forced forward of the same model: greedy = argmax, log-probs = log-softmax,
-EOS and masks, padding, seeding, top-k/top-p exclusion, and no recompilation."""
+"""The slot engine's sampler against a full teacher-forced forward of the same model: greedy = argmax (and token
+for token the plain batched greedy decoder), log-probs = log-softmax, EOS and masks, padding, seeding, top-k/top-p
+exclusion; results independent of the schedule (slots, decode steps, length buckets); no recompilation."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,7 +13,10 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.rl.sampler import Sampler, SamplingConfig, filter_logits, generate, sample_tokens
+from logra_jax.models.greedy import greedy_generate
+from logra_jax.rollout import slots as slots_lib
+from logra_jax.rollout.sampling import SamplingConfig, filter_logits, sample_tokens
+from logra_jax.rollout.slots import Sampler, generate
 
 P = 5
 PROMPTS = np.array([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13], [0, 0, 0, 40, 41]], np.int32)
@@ -94,15 +99,20 @@ def test_eos_ends_responses_with_masks_padding_and_lengths(model):
     assert not bool(out.finished.all())  # a response cut at max_new_tokens is reported as unfinished
 
 
+def _programs():
+    return sum(f._cache_size() for f in (slots_lib.start, slots_lib.refill, slots_lib.decode, slots_lib.finish))
+
+
 def test_no_recompilation_across_parameters_prompts_and_keys(model):
-    sampler = Sampler(model, SamplingConfig(max_new_tokens=10, eos_id=1, pad_id=0, temperature=0.0))
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=10, eos_id=1, pad_id=0, temperature=0.0,
+                                            length_buckets=1))
     sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(0))
-    compiled = generate._cache_size()
+    compiled = _programs()
     new_state = jax.tree.map(lambda x: x * 1.01, sampler.state)
     shuffled = jnp.asarray(PROMPTS[::-1].copy())
     out = sampler(shuffled, shuffled != 0, jax.random.key(5), state=new_state)
     sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(6))
-    assert generate._cache_size() == compiled
+    assert _programs() == compiled
     assert out.tokens.shape == (3, P + 10)
 
 
@@ -151,7 +161,8 @@ def test_filtered_sampling_matches_the_renormalised_distribution():
     for top_k, top_p, allowed in [(3, 1.0, [0, 1, 2]), (0, 0.6, [0, 1, 2]), (0, 0.5, [0, 1]), (5, 0.8, [0, 1, 2, 3]),
                                   (0, 1.0, list(range(8)))]:
         config = SamplingConfig(max_new_tokens=1, eos_id=0, pad_id=0, top_k=top_k, top_p=top_p)
-        tokens, logp = sample_tokens(jnp.broadcast_to(logits, (rows, 8)), jax.random.key(top_k * 10 + 7), config)
+        keys = jax.random.split(jax.random.key(top_k * 10 + 7), rows)
+        tokens, logp = sample_tokens(jnp.broadcast_to(logits, (rows, 8)), keys, config)
         counts = np.bincount(np.asarray(tokens), minlength=8)
         excluded = np.setdiff1d(np.arange(8), allowed)
         assert counts[excluded].sum() == 0, (top_k, top_p, counts)
@@ -191,21 +202,52 @@ def test_validation(model):
         sampler(jnp.asarray(PROMPTS), jnp.asarray(MASK[:, 1:]), jax.random.key(0))
 
 
-def test_prompt_chunks_generate_each_chunk_as_on_its_own(model):
-    """prompt_chunks = C: chunk c (its B / C prompts) is sampled exactly as a call on those prompts alone with key
-    fold_in(key, c); the rows come back in prompt order, num_samples adjacent per prompt."""
-    prompts = np.concatenate([PROMPTS, PROMPTS[::-1] + 1], axis=0)  # 6 prompts, 2 chunks of 3
-    mask = np.concatenate([MASK, MASK[::-1]], axis=0)
+def _varied_eos(model, config, key):
+    """(graphdef, state, eos): the token that, taken as EOS, ends `config`'s rollout rows at the most different
+    lengths (a row's tokens before its first EOS do not depend on which token is EOS)."""
     graphdef, state = nnx.split(model)
-    key = jax.random.key(7)
-    config = SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, num_samples=2, prompt_chunks=2)
-    chunked = generate(graphdef, state, jnp.asarray(prompts), jnp.asarray(mask), key, config)
-    one = SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, num_samples=2)
-    parts = [generate(graphdef, state, jnp.asarray(prompts[3 * c:3 * c + 3]), jnp.asarray(mask[3 * c:3 * c + 3]),
-                      jax.random.fold_in(key, c), one) for c in range(2)]
-    for name in chunked._fields:
-        np.testing.assert_array_equal(np.asarray(getattr(chunked, name)),
-                                      np.concatenate([np.asarray(getattr(p, name)) for p in parts]), err_msg=name)
-    with pytest.raises(ValueError, match="prompt_chunks = 4"):
-        generate(graphdef, state, jnp.asarray(prompts), jnp.asarray(mask), key,
-                 SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0, prompt_chunks=4))
+    probe = generate(graphdef, state, jnp.asarray(PROMPTS), jnp.asarray(MASK), key,
+                     dataclasses.replace(config, eos_id=1))
+    tokens, N = np.asarray(probe.tokens[:, P:]), config.max_new_tokens
+    def spread(x):
+        hit = tokens == x
+        return len(set(np.where(hit.any(1), hit.argmax(1) + 1, N + 1).tolist()))
+    return graphdef, state, max(set(tokens.ravel().tolist()) - {0, 1}, key=spread)
+
+
+def test_schedule_does_not_change_the_result(model):
+    """Rows of different lengths decoded with every row at once, in 2 or 5 slots refilled as rows end, with other
+    decode_steps and length buckets: the same tokens, lengths and finished flags (a row's draws depend on (key,
+    prompt, sample, t), not on its slot or its time), and the same log-probs up to float rounding (the batch and
+    attention widths differ, and with them XLA's summation order)."""
+    base = SamplingConfig(max_new_tokens=9, eos_id=1, pad_id=0, num_samples=4, temperature=1.0)
+    graphdef, state, eos = _varied_eos(model, base, jax.random.key(2))
+    results = []
+    for slots, steps, buckets in [(0, 9, 1), (2, 3, 3), (5, 2, 4), (7, 4, 2)]:
+        config = dataclasses.replace(base, eos_id=eos, slots=slots, decode_steps=steps, length_buckets=buckets)
+        results.append(generate(graphdef, state, jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(2),
+                                config))
+    lengths = np.asarray(results[0].lengths)
+    assert len(set(lengths.tolist())) >= 3 and results[0].finished.any() and not results[0].finished.all()
+    for other in results[1:]:
+        for name in other._fields:
+            compare = np.testing.assert_array_equal if name != "logprobs" else functools.partial(
+                np.testing.assert_allclose, rtol=0, atol=1e-5)
+            compare(np.asarray(getattr(other, name)), np.asarray(getattr(results[0], name)), err_msg=name)
+
+
+def test_greedy_equals_the_batched_greedy_decoder_token_for_token(model):
+    """Greedy rollouts in 2 slots (rows refilled as others end at EOS) equal `greedy_generate`, the plain batched
+    greedy decoder over one shared cache, token for token."""
+    base = SamplingConfig(max_new_tokens=10, eos_id=1, pad_id=0, temperature=0.0)
+    graphdef, state = nnx.split(model)
+    reference = greedy_generate(model, [row[m].tolist() for row, m in zip(PROMPTS, MASK)], max_new_tokens=10,
+                                stop_ids=[1])
+    eos = reference[1][3]  # a token that ends row 1 early; the others end where they meet it or at the budget
+    reference = greedy_generate(model, [row[m].tolist() for row, m in zip(PROMPTS, MASK)], max_new_tokens=10,
+                                stop_ids=[eos])
+    out = generate(graphdef, state, jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(0),
+                   dataclasses.replace(base, eos_id=eos, slots=2, decode_steps=2))
+    got = [np.asarray(out.tokens[r, P:P + int(out.lengths[r])]).tolist() for r in range(3)]
+    assert got == reference
+    assert len({len(r) for r in reference}) > 1

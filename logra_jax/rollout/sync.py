@@ -20,7 +20,7 @@ of updates (the tests check this across processes). Anything else is detected, n
   every step. It guards against drift, not against an adversary.
 A mismatch of either leaves the receiver unsynchronised until the trainer sends a snapshot (every parameter,
 float32, with the same version, checksum and fingerprint), which is also the bootstrap. The receiving end is
-`logra_jax.transport.rollout_worker.RolloutWeights`; `PolicySync` is the sending end.
+`logra_jax.rollout.worker.RolloutWeights`; `PolicySync` is the sending end.
 
 Wire format (no pickle): b"LGRASYNC", u64 little-endian header length, UTF-8 JSON header {"meta", "arrays":
 [{name, dtype, shape, offset, nbytes}]}, then the raw little-endian array bytes.
@@ -354,7 +354,7 @@ class PolicySync:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from logra_jax.transport.rollout_worker import RolloutWeights
+      >>> from logra_jax.rollout.worker import RolloutWeights
       >>> params = {"q_proj": {"kernel": jnp.ones((4, 8))}}
       >>> rollout = RolloutWeights(jax.eval_shape(lambda: params))
       >>> sync = PolicySync(rollout.receive, params)        # bootstrap snapshot at version 0

@@ -1,0 +1,256 @@
+"""The rollout engine behind one interface, colocated or in a worker process.
+
+Every engine answers the same calls, so the RL loop has one code path:
+  publish(updates, params) -> SyncReport     bring the engine to the trainer's weights after an update
+  generate(prompts, prompt_mask, key, config=None) -> Rollout     (logra_jax.rollout.slots; config: e.g. greedy)
+  resyncs; close()
+
+`ColocatedEngine` decodes on the trainer's devices from weights resident in a layout made for decoding: a
+(data = n / t, fsdp = 1, tensor = t) mesh over the same devices, so every weight is split over a tensor-parallel
+group of t devices and replicated across the n / t groups, and each group decodes its own slots. No decode step
+gathers a weight (the trainer's FSDP layout would gather the whole model every token). The engine's matrices are
+stored in the model's compute dtype (what the decoder casts them to at every use), so its logits are the trainer's
+policy's; there is no float32 copy. `publish` rebuilds them from the trainer's weights once per update — a cast
+and one reshard, bit for bit what the trainer's weights round to — and shares a trainer leaf as it is where its
+dtype and layout already match (a float32 job on one device holds no second copy at all).
+
+`WorkerEngine` drives a worker process (logra_jax.rollout.worker) through low-rank policy sync
+(logra_jax.rollout.sync.PolicySync): it receives U and seeds, never dense weights, and keeps its own float32
+masters bitwise equal to the trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Collection
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.decoder import abstract_model
+from logra_jax.rollout.sampling import Rollout, SamplingConfig
+from logra_jax.rollout.slots import generate
+from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params
+from logra_jax.sharding import MeshConfig, make_mesh, param_shardings
+from logra_jax.tree_paths import path_str
+
+
+def decode_config(config: ModelConfig) -> ModelConfig:
+    """The engine's model config: matrices stored in the compute dtype (norm scales and biases stay float32)."""
+    return dataclasses.replace(config, param_dtype=config.dtype)
+
+
+def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
+    """The (data = n / tensor, fsdp = 1, tensor) mesh over `mesh`'s devices, in their order.
+
+    Raises:
+      ValueError: `tensor` does not divide the number of devices (names config.rollout.decode_tensor).
+    """
+    devices = list(mesh.devices.flat)
+    if not isinstance(tensor, int) or tensor < 1 or len(devices) % tensor:
+        raise ValueError(f"config.rollout.decode_tensor = {tensor!r} must divide the {len(devices)} devices of the "
+                         "mesh")
+    return make_mesh(MeshConfig(data=len(devices) // tensor, fsdp=1, tensor=tensor), devices)
+
+
+def default_decode_tensor(config: ModelConfig, mesh: Mesh, hbm_bytes: float | None = None) -> int:
+    """t for the decode layout when the config leaves it to us (rollout.decode_tensor = 0).
+
+    With the devices' memory known (`hbm_bytes` per device): the smallest t dividing the device count and the
+    model's head counts for which the compute-dtype weights take at most an eighth of a device (the rest holds the
+    trainer's state, the KV cache and the train step). Without (a CPU run): the trainer mesh's tensor size.
+    """
+    n = mesh.devices.size
+    if hbm_bytes is None:
+        return int(mesh.shape["tensor"])
+    weights = weight_bytes(decode_config(config))
+    for t in range(1, n + 1):
+        if n % t == 0 and config.num_heads % t == 0 and weights / t <= hbm_bytes / 8:
+            return t
+    return n
+
+
+def weight_bytes(config: ModelConfig) -> int:
+    """Bytes of the model's parameters as stored under `config`."""
+    state = nnx.state(abstract_model(config), nnx.Param)
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(state))
+
+
+class DecodeLayout:
+    """Where and how the colocated engine holds the policy: the decode mesh, the engine's model (compute-dtype
+    matrices), its abstract sharded state, and the cast + reshard that builds it from the trainer's leaves (the one
+    program `publish` runs; `logra_jax.plan` compiles the same).
+
+    Args:
+      model_config: the trainer's model config.
+      mesh: the trainer's mesh.
+      tensor: t (0: `default_decode_tensor`).
+      hbm_bytes: memory per device, for the default t (None: unknown).
+    """
+
+    def __init__(self, model_config: ModelConfig, mesh: Mesh, tensor: int = 0, hbm_bytes: float | None = None):
+        self.tensor = tensor or default_decode_tensor(model_config, mesh, hbm_bytes)
+        self.mesh = decode_mesh(mesh, self.tensor)
+        self.config = decode_config(model_config)
+        self.graphdef, abstract = nnx.split(abstract_model(self.config))
+        shardings = param_shardings(abstract, self.mesh)
+        self.abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                     shardings)
+        self.leaves = flat_params(self.abstract)
+        self._casts: dict[tuple[str, ...], Any] = {}
+
+    def split(self, trainer_leaves: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(shared, to_copy): the trainer's leaves (arrays or abstract, by path) split by whether the engine can
+        hold them as they are (same dtype, equivalent sharding).
+
+        Raises:
+          ValueError: a parameter of the engine's model that the trainer's leaves lack (named).
+        """
+        missing = sorted(set(self.leaves) - set(trainer_leaves))
+        if missing:
+            raise ValueError(f"DecodeLayout: the trainer's state lacks the engine's parameters {missing[:4]}")
+        shared, to_copy = {}, {}
+        for path, want in self.leaves.items():
+            leaf = trainer_leaves[path]
+            sharding = getattr(leaf, "sharding", None)
+            same = (leaf.dtype == want.dtype and sharding is not None
+                    and sharding.is_equivalent_to(want.sharding, len(want.shape)))
+            (shared if same else to_copy)[path] = leaf
+        return shared, to_copy
+
+    def cast(self, paths: tuple[str, ...]) -> Any:
+        """The jitted cast + reshard of these leaves into the decode layout (built once per set of paths)."""
+        if paths not in self._casts:
+            self._casts[paths] = jax.jit(
+                lambda tree: {p: x.astype(self.leaves[p].dtype) for p, x in tree.items()},
+                out_shardings={p: self.leaves[p].sharding for p in paths})
+        return self._casts[paths]
+
+    def state(self, flat: dict[str, Any]) -> Any:
+        """The engine's state tree (nnx.State) from leaves by path."""
+        return jax.tree_util.tree_map_with_path(lambda k, _: flat[path_str(k)], self.abstract)
+
+
+class ColocatedEngine:
+    """The engine on the trainer's devices, its weights resident in the decode layout (see the module docstring).
+
+    Args:
+      model_config: the trainer's model config (its compute dtype is the engine's weight dtype).
+      sampling: the rollout's sampling and scheduling settings.
+      mesh: the trainer's mesh (the engine uses its devices).
+      params, rest: the trainer's weights and the model's other state (nnx.State trees) at `version`.
+      tensor: t of the decode layout (0: `default_decode_tensor`).
+      hbm_bytes: memory per device, for the default t (None: unknown).
+
+    Example:
+      >>> from logra_jax.models.config import preset
+      >>> from logra_jax.models.decoder import init_model
+      >>> model = init_model(preset("tiny"))
+      >>> _, params, rest = nnx.split(model, nnx.Param, ...)
+      >>> engine = ColocatedEngine(preset("tiny"), SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0),
+      ...                          make_mesh(MeshConfig(), jax.devices()[:1]), params, rest)
+      >>> engine.generate(jnp.array([[5, 6, 7]]), jnp.array([[1, 1, 1]]), jax.random.key(0)).tokens.shape
+      (1, 7)
+    """
+
+    on_device = True
+
+    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any, rest: Any, *,
+                 version: int = 0, tensor: int = 0, hbm_bytes: float | None = None):
+        self.sampling = sampling
+        self.layout = DecodeLayout(model_config, mesh, tensor, hbm_bytes)
+        self.graphdef, self.mesh, self.tensor = self.layout.graphdef, self.layout.mesh, self.layout.tensor
+        self._rest = flat_params(rest)
+        self.version = version
+        self.resyncs = 0
+        self.shared_bytes = self.copied_bytes = 0
+        self.state: Any = None
+        self.publish(None, params, version=version)
+
+    def publish(self, updates: Any, params: Any, *, version: int | None = None) -> SyncReport:
+        """Bring the engine to the trainer's `params` (after the update `updates`, unused: the engine reads the
+        weights themselves): cast to the engine's dtypes and reshard into the decode layout."""
+        del updates
+        start = time.perf_counter()
+        shared, to_copy = self.layout.split({**self._rest, **flat_params(params)})
+        copied = self.layout.cast(tuple(to_copy))(to_copy)
+        self.state = jax.block_until_ready(self.layout.state({**shared, **copied}))
+        self.version = self.version + 1 if version is None else version
+        nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in tree.values())
+        self.shared_bytes, self.copied_bytes = nbytes(shared), nbytes(copied)
+        seconds = time.perf_counter() - start
+        return SyncReport(self.version, self.copied_bytes, seconds, 0.0,
+                          SyncReply("loaded", self.version, "", {"apply": seconds}), "")
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
+        """Sample with the engine's weights (config: another SamplingConfig, e.g. greedy for evaluation)."""
+        return generate(self.graphdef, self.state, jnp.asarray(prompts), jnp.asarray(prompt_mask), key,
+                        config or self.sampling, mesh=self.mesh)
+
+    def close(self) -> None:
+        self.state = None
+
+    def __enter__(self) -> ColocatedEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class WorkerEngine:
+    """A rollout worker process fed by low-rank payloads: `publish` pushes the update through `PolicySync`."""
+
+    on_device = False
+
+    def __init__(self, transport: Any, params: Any, *, version: int = 0, trained: Collection[str] = ()):
+        self.transport = transport
+        self.sync = PolicySync(transport.sync, params, version=version, trained=trained)
+
+    @property
+    def resyncs(self) -> int:
+        return self.sync.resyncs
+
+    def publish(self, updates: Any, params: Any) -> SyncReport:
+        return self.sync.push(updates, params)
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
+        return self.transport.generate(prompts, prompt_mask, key, config=config)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> WorkerEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any,
+                   rest: Any, *, version: int = 0, trained: Collection[str] = (), decode_tensor: int = 0,
+                   hbm_bytes: float | None = None, **worker_options: Any) -> ColocatedEngine | WorkerEngine:
+    """The engine for `config.rollout.workers`: 0 = colocated (`ColocatedEngine`, decode layout with
+    t = decode_tensor), 1 = a worker process fed by low-rank payloads (`WorkerEngine`; worker_options go to
+    `WorkerProcessTransport`).
+
+    Raises:
+      ValueError: another `workers` value, or worker options for the colocated engine (named).
+    """
+    if workers == 0:
+        if worker_options:
+            raise ValueError(f"rollout_engine: options {sorted(worker_options)} only apply to workers=1")
+        return ColocatedEngine(model_config, sampling, mesh, params, rest, version=version, tensor=decode_tensor,
+                               hbm_bytes=hbm_bytes)
+    if workers == 1:
+        from logra_jax.rollout.worker import WorkerProcessTransport
+        return WorkerEngine(WorkerProcessTransport(model_config, sampling, **worker_options), params,
+                            version=version, trained=trained)
+    raise ValueError(f"rollout_engine: workers must be 0 (colocated) or 1 (worker process), got {workers!r}")

@@ -1,0 +1,114 @@
+"""The colocated engine: weights resident in a decode layout unlike the trainer's (8 fake devices), bit for bit what
+the trainer's weights round to after 20 optimizer updates, each split at most over its tensor-parallel pair (the
+trainer's 8 ways); rollouts equal a one-device sampler's; a float32 job on one device shares the trainer's arrays.
+(What a decode step moves between devices is counted on the real compilers by `python -m logra_jax.plan`.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from logra_jax.models.config import preset
+from logra_jax.models.decoder import init_model
+from logra_jax.optim import apply_updates, logra
+from logra_jax.rollout.engine import ColocatedEngine, decode_mesh, default_decode_tensor
+from logra_jax.rollout.sampling import SamplingConfig
+from logra_jax.rollout.slots import Sampler
+from logra_jax.rollout.sync import flat_params
+from logra_jax.sharding import MeshConfig, make_mesh, param_shardings
+
+CONFIG = preset("tiny", dtype="bfloat16")
+SAMPLING = SamplingConfig(max_new_tokens=6, eos_id=1, pad_id=0, num_samples=2, slots=4, decode_steps=3)
+PROMPTS = np.array([[0, 5, 6, 7], [9, 10, 11, 12], [0, 0, 40, 41], [3, 4, 5, 6]], np.int32)
+MASK = PROMPTS != 0
+
+
+def _bits(x):
+    x = np.asarray(jax.device_get(x))
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """20 LoGRA updates of a tiny bf16-compute model in the trainer's FSDP 8 layout, the engine (decode layout
+    data 4 × tensor 2) published after each; returns the engine and the trainer's final weights."""
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    model = init_model(CONFIG, seed=2)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(params, param_shardings(params, mesh))
+    engine = ColocatedEngine(CONFIG, SAMPLING, mesh, params, rest, tensor=2)
+    tx = logra(rank=4, update_ratio=3e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def update(params, opt_state, key):
+        grads = jax.tree.map(lambda p: jax.random.normal(key, p.shape, p.dtype), params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return updates, apply_updates(params, updates), opt_state
+
+    first = jax.device_get(flat_params(engine.state))
+    for step in range(20):
+        updates, params, opt_state = update(params, opt_state, jax.random.key(step))
+        report = engine.publish(updates, params)
+    return {"engine": engine, "params": params, "rest": rest, "graphdef": graphdef, "mesh": mesh, "first": first,
+            "report": report}
+
+
+def test_engine_weights_bitwise_the_trainers_rounded_after_20_updates(trained):
+    engine, params = trained["engine"], trained["params"]
+    assert dict(engine.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    ours, theirs = flat_params(engine.state), flat_params(params)
+    moved = 0
+    for path, w in theirs.items():
+        mine = ours[path]
+        assert mine.dtype == (jnp.bfloat16 if path.endswith(("kernel", "embedding")) else jnp.float32), path
+        np.testing.assert_array_equal(_bits(mine), _bits(w.astype(mine.dtype)), err_msg=path)
+        # Split over the tensor pair at most (the trainer's FSDP split each weight 8 ways).
+        assert np.prod(mine.sharding.shard_shape(mine.shape)) * 2 >= mine.size, (path, mine.sharding)
+        if path.endswith(("kernel", "embedding")):
+            assert np.prod(w.sharding.shard_shape(w.shape)) * 8 == w.size, (path, w.sharding)
+        moved += not np.array_equal(_bits(mine), _bits(trained["first"][path]))
+    assert moved >= len(theirs) // 2  # the updates really changed the weights the engine holds
+    # Replicated float32 norm scales are the trainer's own arrays; the matrices are cast and resharded copies.
+    assert trained["report"].nbytes + engine.shared_bytes == sum(x.size * x.dtype.itemsize for x in ours.values())
+    assert ours["final_norm.scale"] is theirs["final_norm.scale"] and engine.shared_bytes > 0
+    assert trained["report"].version == 20
+
+
+def test_engine_rollouts_equal_a_one_device_sampler(trained):
+    engine = trained["engine"]
+    host = jax.device_get(engine.state)
+    want = Sampler(nnx.merge(engine.graphdef, host), SAMPLING)(jnp.asarray(PROMPTS), jnp.asarray(MASK),
+                                                               jax.random.key(5))
+    got = engine.generate(PROMPTS, MASK, jax.random.key(5))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=2e-2)
+
+
+def test_float32_job_on_one_device_shares_the_trainers_arrays():
+    config = preset("tiny")
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    _, params, rest = nnx.split(init_model(config), nnx.Param, ...)
+    params = jax.device_put(params, param_shardings(params, mesh))
+    engine = ColocatedEngine(config, SAMPLING, mesh, params, rest)
+    assert engine.copied_bytes == 0 and engine.tensor == 1
+    for path, leaf in flat_params(params).items():
+        assert flat_params(engine.state)[path] is leaf, path
+    updated = jax.tree.map(lambda x: x + 1, params)
+    assert engine.publish(optax.EmptyState(), updated).nbytes == 0
+    assert flat_params(engine.state)["final_norm.scale"] is flat_params(updated)["final_norm.scale"]
+
+
+def test_decode_layout_choice_and_errors():
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    with pytest.raises(ValueError, match=r"config\.rollout\.decode_tensor = 3 must divide the 8 devices"):
+        decode_mesh(mesh, 3)
+    assert default_decode_tensor(CONFIG, mesh) == 1  # memory unknown: the trainer's tensor size
+    flat = flat_params(nnx.state(init_model(CONFIG), nnx.Param))  # bf16 matrices, float32 norm scales
+    weights = sum(x.size * (2 if p.endswith(("kernel", "embedding")) else 4) for p, x in flat.items())
+    # An eighth of the memory holds the bf16 weights split over the smallest t that fits (t must divide the heads).
+    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=8 * weights) == 1
+    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=4.1 * weights) == 2
+    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=1.01 * weights) == 8
