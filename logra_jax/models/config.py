@@ -18,6 +18,19 @@ ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 
 _DTYPES = ("float32", "bfloat16")
 
+# The ModelConfig fields that tell the families apart, and each family's values (a config with other values has
+# no Hugging Face class): Qwen2 = Llama + q/k/v bias; Qwen3 = Llama + q/k norm; Gemma 3 = the rest. Gemma 3's
+# attention fields (query_pre_attn_scalar, sliding_window, rope_local_theta) are None in the other families.
+_FEATURE_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
+                                     "mlp_activation": "silu", "scale_embeddings": False}
+FAMILY_FEATURES: dict[str, dict[str, Any]] = {
+    "llama": _FEATURE_DEFAULTS,
+    "qwen2": {**_FEATURE_DEFAULTS, "qkv_bias": True},
+    "qwen3": {**_FEATURE_DEFAULTS, "qk_norm": True},
+    "gemma3": {**_FEATURE_DEFAULTS, "qk_norm": True, "norm_offset": 1.0, "post_norms": True,
+               "mlp_activation": "gelu_tanh", "scale_embeddings": True},
+}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -189,7 +202,7 @@ def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) 
     return ModelConfig(
         architecture="qwen3", vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
         num_layers=layers, num_heads=heads, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, qk_norm=True, tie_embeddings=tied, max_seq_len=40960)
+        rms_norm_eps=1e-6, tie_embeddings=tied, max_seq_len=40960, **FAMILY_FEATURES["qwen3"])
 
 
 def _gemma3(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
@@ -200,14 +213,21 @@ def _gemma3(vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
         architecture="gemma3", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=1_000_000.0,
         rope_scaling=None if linear_rope is None else "linear", rope_scaling_factor=linear_rope or 1.0,
-        rms_norm_eps=1e-6, norm_offset=1.0, qk_norm=True, post_norms=True, mlp_activation="gelu_tanh",
-        scale_embeddings=True, query_pre_attn_scalar=float(query_pre_attn_scalar), sliding_window=window,
-        sliding_window_pattern=6, rope_local_theta=10_000.0, tie_embeddings=True, max_seq_len=max_len)
+        rms_norm_eps=1e-6, query_pre_attn_scalar=float(query_pre_attn_scalar), sliding_window=window,
+        sliding_window_pattern=6, rope_local_theta=10_000.0, tie_embeddings=True, max_seq_len=max_len,
+        **FAMILY_FEATURES["gemma3"])
 
 
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests and the CPU demo (character-level vocabulary).
     "tiny": ModelConfig(),
+    # The same size in the Qwen3 and Gemma 3 layouts (unit tests, runlocal runs): Qwen3's head_dim apart from
+    # hidden / heads (4 × 32 on 64); Gemma 3's layers slide (window 8) and go global in turn.
+    "tiny-qwen3": ModelConfig(architecture="qwen3", head_dim=32, rope_theta=1_000_000.0,
+                              **FAMILY_FEATURES["qwen3"]),
+    "tiny-gemma3": ModelConfig(architecture="gemma3", rope_theta=1_000_000.0, query_pre_attn_scalar=24.0,
+                               sliding_window=8, sliding_window_pattern=2, rope_local_theta=10_000.0,
+                               **FAMILY_FEATURES["gemma3"]),
     # HuggingFaceTB/SmolLM2-135M(-Instruct).
     "smollm2-135m": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

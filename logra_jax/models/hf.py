@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax.models.config import ModelConfig
+from logra_jax.models.config import FAMILY_FEATURES, ModelConfig
 from logra_jax.models.decoder import Decoder, abstract_model, parameter_shardings
 from logra_jax.models.jsonfile import read_json_object
 from logra_jax.models.tokenizer import Tokenizer
@@ -44,17 +44,6 @@ from logra_jax.models.tokenizer import Tokenizer
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Gemma3ForCausalLM": "gemma3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-# The ModelConfig fields that tell the families apart, and each family's values (a config with other values has
-# no Hugging Face class): Qwen2 = Llama + q/k/v bias; Qwen3 = Llama + q/k norm; Gemma 3 = the rest.
-_FEATURE_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
-                                     "mlp_activation": "silu", "scale_embeddings": False}
-FAMILY_FEATURES: dict[str, dict[str, Any]] = {
-    "llama": _FEATURE_DEFAULTS,
-    "qwen2": {**_FEATURE_DEFAULTS, "qkv_bias": True},
-    "qwen3": {**_FEATURE_DEFAULTS, "qk_norm": True},
-    "gemma3": {**_FEATURE_DEFAULTS, "qk_norm": True, "norm_offset": 1.0, "post_norms": True,
-               "mlp_activation": "gelu_tanh", "scale_embeddings": True},
-}
 # Fields only Gemma 3 sets (None elsewhere).
 _GEMMA_ONLY = ("query_pre_attn_scalar", "sliding_window", "rope_local_theta")
 _SLIDING, _FULL = "sliding_attention", "full_attention"

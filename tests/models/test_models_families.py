@@ -18,6 +18,7 @@ from flax import nnx
 from logra_jax import models
 from logra_jax import sharding as shd
 from logra_jax.models.hf import config_from_hf, config_to_hf
+from logra_jax.optim.targets import find_targets
 
 _S, _F = "sliding_attention", "full_attention"
 CASES = {
@@ -185,3 +186,22 @@ def test_export_rejects_a_config_off_its_family():
         config_to_hf(models.preset("qwen3-0.6b", post_norms=True))
     with pytest.raises(ValueError, match=r"sliding_window=8 has no Hugging Face equivalent for architecture='llama'"):
         config_to_hf(models.preset("tiny", sliding_window=8))
+
+
+@pytest.mark.parametrize("name", [n for n in models.PRESETS if n.startswith(("qwen3-", "gemma3-", "tiny-"))])
+def test_logra_targets_are_every_attention_and_mlp_projection(name):
+    """The default target rules find the seven projections of each block, as [L, k, d] matrices with the HF
+    widths, and nothing else (no norm, embedding or head)."""
+    c = models.preset(name)
+    params = nnx.state(models.abstract_model(c), nnx.Param)
+    targets = find_targets(params)
+    # (rows d, width k) of W = kernelᵀ per projection.
+    expected = {"attn.q_proj": (c.q_size, c.hidden_size), "attn.k_proj": (c.kv_size, c.hidden_size),
+                "attn.v_proj": (c.kv_size, c.hidden_size), "attn.o_proj": (c.hidden_size, c.q_size),
+                "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+                "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+                "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+    assert sorted(targets) == sorted(f"blocks.{p}.kernel" for p in expected)
+    for proj, (d, k) in expected.items():
+        t = targets[f"blocks.{proj}.kernel"]
+        assert (t.batch_shape, t.rows_shape, t.k) == ((c.num_layers,), (d,), k), proj
