@@ -44,6 +44,15 @@ from logra_jax.models.tokenizer import Tokenizer
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Gemma3ForCausalLM": "gemma3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# Multimodal checkpoints whose text decoder we load: architecture → (config.json field holding the decoder's
+# config, prefix of its tensor names, prefixes of the tensors of the other modalities, which are skipped).
+MULTIMODAL = {"Gemma3ForConditionalGeneration": ("text_config", "language_model.",
+                                                 ("vision_tower.", "multi_modal_projector."))}
+# transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config lists only what differs.
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096}
 # Fields only Gemma 3 sets (None elsewhere).
 _GEMMA_ONLY = ("query_pre_attn_scalar", "sliding_window", "rope_local_theta")
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -231,19 +240,27 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
 def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **overrides: Any) -> ModelConfig:
     """ModelConfig from a parsed config.json (Llama, Qwen2, Qwen3 or Gemma 3 text; transformers 4.x or 5.x rope
     and layer-type fields), with runtime `overrides` (`RUNTIME_FIELDS`) applied; `source` names the file in error
-    messages. Fields a config.json leaves out take the defaults of the family's transformers config class.
+    messages. Gemma 3 fields a config.json leaves out take Gemma3TextConfig's defaults. For a multimodal
+    checkpoint (`MULTIMODAL`: Gemma3ForConditionalGeneration) the config is that of its text decoder.
 
     Raises:
       ValueError: unknown architecture, unsupported feature (activation, bias, sliding window, softcapping, rope
         type, layer pattern), missing or out-of-range field — the message names the file and the field.
     """
     archs = hf.get("architectures")
+    supported = sorted({*ARCHITECTURES, *MULTIMODAL})
     if not archs:
-        raise ValueError(f"{source}: missing field 'architectures' (one of {sorted(ARCHITECTURES)})")
-    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in ARCHITECTURES:
-        raise ValueError(f"{source}: unsupported architecture {archs!r}; "
-                         f"supported: {sorted(ARCHITECTURES)}")
-    architecture = ARCHITECTURES[archs[0]]
+        raise ValueError(f"{source}: missing field 'architectures' (one of {supported})")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in supported:
+        raise ValueError(f"{source}: unsupported architecture {archs!r}; supported: {supported}")
+    if archs[0] in MULTIMODAL:
+        text = hf.get(MULTIMODAL[archs[0]][0])
+        if not isinstance(text, Mapping):
+            raise ValueError(f"{source}: {archs[0]} needs an object {MULTIMODAL[archs[0]][0]!r}, got {text!r}")
+        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings"), **text, "architectures": ["Gemma3ForCausalLM"]}
+    architecture = ARCHITECTURES[hf["architectures"][0]]
+    if architecture == "gemma3":
+        hf = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     bad_overrides = sorted(set(overrides) - set(RUNTIME_FIELDS))
     if bad_overrides:
         raise ValueError(f"cannot override {bad_overrides} when loading {source}: only {RUNTIME_FIELDS}")
@@ -526,7 +543,8 @@ def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Shard
             stats: LoadStats | None = None, weights: bool = True,
             **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
     """Load a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma3ForCausalLM directory
-    (config.json + safetensors).
+    (config.json + safetensors), or the text decoder of a Gemma3ForConditionalGeneration one (google/gemma-3-4b,
+    -12b, -27b; its vision tower is not read).
 
     The directory holds config.json, model.safetensors or model.safetensors.index.json (+ shards), and
     optionally tokenizer.json / tokenizer_config.json. `shardings` maps a parameter path
@@ -545,20 +563,23 @@ def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Shard
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {directory}" if directory.is_dir()
                                 else f"checkpoint directory not found: {directory}")
-    config = config_from_hf(read_json_object(config_path), source=str(config_path), **overrides)
+    hf_config = read_json_object(config_path)
+    config = config_from_hf(hf_config, source=str(config_path), **overrides)
     tokenizer = Tokenizer.from_directory(directory) if (directory / "tokenizer.json").is_file() else None
     if not weights:
         return abstract_model(config), tokenizer, config
     files = _open_checkpoint(directory)
+    _, prefix, skipped = MULTIMODAL.get(hf_config["architectures"][0], (None, "", ()))
 
     def read(name: str) -> np.ndarray:
-        if name not in files:
-            raise ValueError(f"{directory}: tensor {name!r} is missing from the checkpoint")
-        return files[name].get(name)
+        if prefix + name not in files:
+            raise ValueError(f"{directory}: tensor {prefix + name!r} is missing from the checkpoint")
+        return files[prefix + name].get(prefix + name)
 
     model, used = build_model(config, read, source=str(directory), shardings=shardings, stats=stats)
-    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
-    unexpected = sorted(n for n in set(files) - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    ignorable = {prefix + "lm_head.weight"} if config.tie_embeddings else set()
+    unexpected = sorted(n for n in set(files) - {prefix + u for u in used} - ignorable
+                        if not n.endswith("rotary_emb.inv_freq") and not n.startswith(skipped))
     if unexpected:
         raise ValueError(f"{directory}: tensors not used by a {config.architecture} model with this config.json: "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")

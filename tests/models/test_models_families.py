@@ -6,6 +6,7 @@ unsharded, export → load bit-exact and read back by transformers; the config m
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -205,3 +206,33 @@ def test_logra_targets_are_every_attention_and_mlp_projection(name):
     for proj, (d, k) in expected.items():
         t = targets[f"blocks.{proj}.kernel"]
         assert (t.batch_shape, t.rows_shape, t.k) == ((c.num_layers,), (d,), k), proj
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_decoder(tmp_path, hf_logits, forward, padded_batch,
+                                                             max_rel_err):
+    """google/gemma-3-{4b,12b,27b} are Gemma3ForConditionalGeneration checkpoints: the decoder's config is a
+    text_config listing only what differs from Gemma3TextConfig's defaults, its tensors sit under
+    "language_model.", and the vision tower is skipped. Logits equal the multimodal model's on text."""
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=5, sliding_window_pattern=2,
+                query_pre_attn_scalar=24, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    peer = transformers.Gemma3ForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in peer.parameters():  # Gemma's norms are (1 + w): small random w
+            p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    peer.save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["text_config"] = {k: v for k, v in hf["text_config"].items()
+                         if k in ("model_type", *text) and k not in ("sliding_window_pattern", "rope_scaling")}
+    hf["text_config"].update(sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+
+    model, _, ours = models.load(tmp_path)
+    assert ours.architecture == "gemma3" and ours.tie_embeddings and ours.max_seq_len == 131_072
+    assert ours.sliding_layers() == (True, False, True, False) and ours.rope_scaling_factor == 2.0
+    tokens, mask = padded_batch
+    assert max_rel_err(forward(model, tokens, mask), hf_logits(peer, tokens, mask), where=mask) <= 1e-4
