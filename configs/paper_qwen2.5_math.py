@@ -11,8 +11,10 @@ Run (1.5B, 4 training devices):
   python -m logra_jax.main --config=configs/paper_qwen2.5_math.py:1.5b --workdir=runs/qwen1.5b \
     --config.model.checkpoint=/path/to/Qwen2.5-Math-1.5B \
     --config.task.jsonl_train=/path/to/dapo_math_7.5k.jsonl --config.task.jsonl_eval=/path/to/math500.jsonl
-7B: same with `:7b`; `:27b` is the paper's 27B-class run on the `dense-27b` preset's shapes (Gemma-3-27B widths in
-the Llama layout; random weights unless a checkpoint of those shapes is given). Argument "runlocal" after the size
+7B: same with `:7b`; `:27b` is the paper's 27B run on Gemma-3-27B's architecture (`gemma3-27b`: point
+model.checkpoint at google/gemma-3-27b-pt or -it, a Gemma3ForConditionalGeneration directory whose text decoder is
+loaded); `:qwen3-8b` the same recipe on Qwen3-8B(-Base). `:dense-27b` keeps the Llama-layout 27B-class preset
+(Gemma-3-27B widths) that experiments/memory's earlier 27B plans measured. Argument "runlocal" after the size
 (e.g. `:1.5b,runlocal`) shrinks batch and lengths for a quick smoke run of the same recipe.
 The mesh is FSDP over every device (train.mesh_fsdp = -1). Plan the whole job before renting accelerators:
   python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=v5e:2x4
@@ -22,8 +24,9 @@ import ml_collections
 
 from logra_jax.run_config import RunConfig, check_variant
 
-VARIANTS = ("1.5b", "7b", "27b", "1.5b,runlocal", "7b,runlocal")
-PRESETS = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "27b": "dense-27b"}
+VARIANTS = ("1.5b", "7b", "27b", "qwen3-8b", "dense-27b", "1.5b,runlocal", "7b,runlocal")
+PRESETS = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "27b": "gemma3-27b", "qwen3-8b": "qwen3-8b",
+           "dense-27b": "dense-27b"}
 
 
 def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:

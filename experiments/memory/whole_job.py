@@ -32,7 +32,7 @@ OPTIMIZERS = {
     "logra_kl": [],  # the paper's config as it is: LoGRA sketch-native + predicted-KL control
 }
 # (size, target, HBM GiB for cpu targets): the table
-CELLS = ("1.5b@v5e:2x2", "7b@v5e:2x2", "7b@v5e:2x4", "27b@h100:8")
+CELLS = ("1.5b@v5e:2x2", "7b@v5e:2x2", "7b@v5e:2x4", "27b@h100:8", "qwen3-8b@v5e:2x4")
 
 
 def python_for(target: str) -> str:

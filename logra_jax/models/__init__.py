@@ -1,4 +1,4 @@
-"""Decoder models (Llama / Qwen2 / SmolLM2), checkpoint import/export and tokenizers.
+"""Decoder models (Llama / Qwen2 / SmolLM2 / Qwen3 / Gemma 3 text), checkpoint import/export and tokenizers.
 
     >>> from logra_jax import models
     >>> model, tokenizer, config = models.load("path/to/hf_dir_or_file.gguf")     # doctest: +SKIP
@@ -32,7 +32,8 @@ _GGUF_MAGIC = b"GGUF"
 def load(path: str | Path, *, shardings: Mapping[str, jax.sharding.Sharding] | jax.sharding.Mesh | None = None,
          stats: LoadStats | None = None, weights: bool = True,
          **options: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
-    """Load a checkpoint: a Hugging Face directory (Llama / Qwen2 safetensors) or a GGUF file.
+    """Load a checkpoint: a Hugging Face directory (Llama / Qwen2 / Qwen3 / Gemma 3 safetensors, or the text decoder
+    of a Gemma 3 multimodal one) or a GGUF file (llama / qwen2 / qwen3).
 
     Args:
       path: a directory with config.json + model.safetensors (or a sharded index), or a .gguf file.

@@ -1,4 +1,4 @@
-"""Decoder configurations: one frozen dataclass for Llama, Qwen2 and SmolLM2, plus named presets.
+"""Decoder configurations: one frozen dataclass for Llama, Qwen2, SmolLM2, Qwen3 and Gemma 3 (text), plus presets.
 
 Every field is validated when the config is built; a bad value raises ValueError naming the field and value.
 """
@@ -11,23 +11,58 @@ from typing import Any, Literal
 RopeScaling = Literal["linear", "llama3"]
 Remat = Literal["none", "full", "save_dots", "save_sketch"]
 AttentionImpl = Literal["dense", "chunked"]
+Architecture = Literal["llama", "qwen2", "qwen3", "gemma3"]
+Activation = Literal["silu", "gelu_tanh"]
+
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 
 _DTYPES = ("float32", "bfloat16")
+
+# The ModelConfig fields that tell the families apart, and each family's values (a config with other values has
+# no Hugging Face class): Qwen2 = Llama + q/k/v bias; Qwen3 = Llama + q/k norm; Gemma 3 = the rest. Gemma 3's
+# attention fields (query_pre_attn_scalar, sliding_window, rope_local_theta) are None in the other families.
+_FEATURE_DEFAULTS: dict[str, Any] = {"qkv_bias": False, "qk_norm": False, "norm_offset": 0.0, "post_norms": False,
+                                     "mlp_activation": "silu", "scale_embeddings": False}
+FAMILY_FEATURES: dict[str, dict[str, Any]] = {
+    "llama": _FEATURE_DEFAULTS,
+    "qwen2": {**_FEATURE_DEFAULTS, "qkv_bias": True},
+    "qwen3": {**_FEATURE_DEFAULTS, "qk_norm": True},
+    "gemma3": {**_FEATURE_DEFAULTS, "qk_norm": True, "norm_offset": 1.0, "post_norms": True,
+               "mlp_activation": "gelu_tanh", "scale_embeddings": True},
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only transformer (Llama/Qwen2 family).
+    """Shape and numerics of a decoder-only transformer (Llama, Qwen2, Qwen3 and Gemma 3 families).
+
+    The families differ only in the fields below; `architecture` names the checkpoint layout they export to:
+    Llama (the base), Qwen2 (+ q/k/v bias), Qwen3 (+ per-head q/k RMSNorm, `head_dim` free of hidden / heads),
+    Gemma 3 (+ q/k norm, (1 + w) norms, a norm after attention and after the MLP, GeGLU with tanh GELU,
+    embeddings scaled by √hidden, scores scaled by `query_pre_attn_scalar`^-½, sliding-window layers).
 
     Attributes:
-      architecture: "llama" or "qwen2" (Qwen2 = Llama with q/k/v bias); informs checkpoint export.
+      architecture: "llama", "qwen2", "qwen3" or "gemma3"; informs checkpoint export.
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: shapes.
-      rope_theta: RoPE base frequency.
+      rope_theta: RoPE base frequency (of the global layers when some layers slide).
       rope_interleaved: False = rotate-half (HF convention), True = interleaved pairs (GGUF/Meta convention).
       rope_scaling: None, "linear" or "llama3"; its numbers in `rope_scaling_factor`, `rope_low_freq_factor`,
-        `rope_high_freq_factor`, `rope_original_max_position`.
+        `rope_high_freq_factor`, `rope_original_max_position`; it applies to the global layers only.
       rms_norm_eps: RMSNorm epsilon.
+      norm_offset: every RMSNorm multiplies by (norm_offset + w): 0 (Llama, Qwen) or 1 (Gemma, whose stored w
+        is centred on 0).
       qkv_bias: q/k/v projections carry a bias (Qwen2).
+      qk_norm: an RMSNorm over head_dim on every query and key head before RoPE (Qwen3, Gemma 3).
+      post_norms: the attention and MLP outputs are normed before their residual add (Gemma 3: four norms per
+        block).
+      mlp_activation: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated GELU).
+      scale_embeddings: token embeddings are multiplied by √hidden_size (Gemma).
+      query_pre_attn_scalar: scores are scaled by query_pre_attn_scalar^-½; None = head_dim^-½.
+      sliding_window: keys further than this many positions behind a query are masked on the sliding layers
+        (a query sees itself and the sliding_window − 1 tokens before it); None = every layer global.
+      sliding_window_pattern: with a sliding window, layer i is global when (i + 1) % pattern == 0 and slides
+        otherwise (Gemma 3: 6, five local layers per global one).
+      rope_local_theta: RoPE base frequency of the sliding layers (no RoPE scaling there); None = rope_theta.
       tie_embeddings: the output head reuses the input embedding.
       max_seq_len: longest sequence (prompt + generation) the model is used with.
       dtype: compute dtype ("float32" or "bfloat16").
@@ -39,7 +74,7 @@ class ModelConfig:
       attention_chunk: key-chunk length of the chunked attention.
     """
 
-    architecture: Literal["llama", "qwen2"] = "llama"
+    architecture: Architecture = "llama"
     vocab_size: int = 128
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -55,7 +90,16 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
     rms_norm_eps: float = 1e-6
+    norm_offset: float = 0.0
     qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    mlp_activation: Activation = "silu"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    sliding_window_pattern: int = 1
+    rope_local_theta: float | None = None
     tie_embeddings: bool = True
     max_seq_len: int = 512
     dtype: str = "float32"
@@ -81,8 +125,23 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
         if not 0 < self.rms_norm_eps < 1:
             raise ValueError(f"ModelConfig.rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
-        if self.architecture not in ("llama", "qwen2"):
-            raise ValueError(f"ModelConfig.architecture must be 'llama' or 'qwen2', got {self.architecture!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.norm_offset not in (0.0, 1.0):
+            raise ValueError(f"ModelConfig.norm_offset must be 0 or 1, got {self.norm_offset!r}")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(
+                f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', got {self.mlp_activation!r}")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(
+                f"ModelConfig.query_pre_attn_scalar must be > 0 or None, got {self.query_pre_attn_scalar!r}")
+        for name in ("sliding_window", "sliding_window_pattern"):
+            value = getattr(self, name)
+            if (value is not None or name == "sliding_window_pattern") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+            raise ValueError(f"ModelConfig.rope_local_theta must be > 0 or None, got {self.rope_local_theta!r}")
         if self.rope_scaling not in (None, "linear", "llama3"):
             raise ValueError(
                 f"ModelConfig.rope_scaling must be None, 'linear' or 'llama3', got {self.rope_scaling!r}")
@@ -112,6 +171,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends through the sliding window (all False without a window)."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        return tuple((i + 1) % self.sliding_window_pattern != 0 for i in range(self.num_layers))
+
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with `changes` applied (validated again)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -125,14 +190,44 @@ class ModelConfig:
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
-        block = attn + 3 * d * f + 2 * d
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        block = attn + 3 * d * f + (4 if self.post_norms else 2) * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + L * block + d + head
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> ModelConfig:
+    """A Qwen3 dense preset: 8 KV heads of 128, q/k norm, RoPE base 1e6, vocabulary 151936."""
+    return ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+        num_layers=layers, num_heads=heads, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, tie_embeddings=tied, max_seq_len=40960, **FAMILY_FEATURES["qwen3"])
+
+
+def _gemma3(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+            query_pre_attn_scalar: int, window: int, linear_rope: float | None, max_len: int) -> ModelConfig:
+    """A Gemma 3 text preset: five sliding layers (RoPE base 1e4) per global one (base 1e6, optionally
+    linearly scaled), tied embeddings."""
+    return ModelConfig(
+        architecture="gemma3", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=1_000_000.0,
+        rope_scaling=None if linear_rope is None else "linear", rope_scaling_factor=linear_rope or 1.0,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=float(query_pre_attn_scalar), sliding_window=window,
+        sliding_window_pattern=6, rope_local_theta=10_000.0, tie_embeddings=True, max_seq_len=max_len,
+        **FAMILY_FEATURES["gemma3"])
 
 
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests and the CPU demo (character-level vocabulary).
     "tiny": ModelConfig(),
+    # The same size in the Qwen3 and Gemma 3 layouts (unit tests, runlocal runs): Qwen3's head_dim apart from
+    # hidden / heads (4 × 32 on 64); Gemma 3's layers slide (window 8) and go global in turn.
+    "tiny-qwen3": ModelConfig(architecture="qwen3", head_dim=32, rope_theta=1_000_000.0,
+                              **FAMILY_FEATURES["qwen3"]),
+    "tiny-gemma3": ModelConfig(architecture="gemma3", rope_theta=1_000_000.0, query_pre_attn_scalar=24.0,
+                               sliding_window=8, sliding_window_pattern=2, rope_local_theta=10_000.0,
+                               **FAMILY_FEATURES["gemma3"]),
     # HuggingFaceTB/SmolLM2-135M(-Instruct).
     "smollm2-135m": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -153,7 +248,18 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
         qkv_bias=True, tie_embeddings=False, max_seq_len=4096),
-    # A 27B-class dense decoder (Gemma-3-27B widths in the Llama layout), for shape-only memory analysis.
+    # Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B} (dense; the same names with -Base).
+    **{f"qwen3-{name}": _qwen3(*shape) for name, shape in {
+        "0.6b": (1024, 3072, 28, 16, True), "1.7b": (2048, 6144, 28, 16, True),
+        "4b": (2560, 9728, 36, 32, True), "8b": (4096, 12288, 36, 32, False),
+        "14b": (5120, 17408, 40, 40, False), "32b": (5120, 25600, 64, 64, False)}.items()},
+    # google/gemma-3-1b-{pt,it} (text-only) and the text decoder of google/gemma-3-{4b,12b,27b}-{pt,it}.
+    "gemma3-1b": _gemma3(262144, 1152, 6912, 26, 4, 1, 256, 256, 512, None, 32768),
+    "gemma3-4b": _gemma3(262208, 2560, 10240, 34, 8, 4, 256, 256, 1024, 8.0, 131072),
+    "gemma3-12b": _gemma3(262208, 3840, 15360, 48, 16, 8, 256, 256, 1024, 8.0, 131072),
+    "gemma3-27b": _gemma3(262208, 5376, 21504, 62, 32, 16, 128, 168, 1024, 8.0, 131072),
+    # A 27B-class dense decoder (Gemma-3-27B widths in the Llama layout), for shape-only memory analysis: the
+    # committed AOT-kernel, sync and memory studies were measured on it (gemma3-27b is the real architecture).
     "dense-27b": ModelConfig(
         architecture="llama", vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_layers=62,
         num_heads=32, num_kv_heads=16, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,

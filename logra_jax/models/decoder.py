@@ -1,16 +1,19 @@
-"""The decoder-only transformer (Llama / Qwen2 / SmolLM2) as a Flax NNX module.
+"""The decoder-only transformer (Llama / Qwen2 / SmolLM2 / Qwen3 / Gemma 3) as a Flax NNX module.
 
 Layers are stacked on a leading "layers" axis and run with `lax.scan` (one compiled block whatever the depth),
 optionally rematerialised per block. `model(tokens)` returns float32 logits [B, T, V]; `forward_cached` runs
 prefill and incremental decoding against a `KVCache` for batches of prompts of different lengths.
 
 Parameter paths (canonical, "."-joined): embed.embedding [V, D]; blocks.attn_norm.scale [L, D];
-blocks.attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias for Qwen2 q/k/v); blocks.mlp_norm.scale [L, D];
-blocks.mlp.{gate,up,down}_proj.kernel [L, in, out]; final_norm.scale [D]; lm_head.kernel [D, V] when untied.
+blocks.attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias for Qwen2 q/k/v); blocks.attn.{q,k}_norm.scale [L, hd]
+(Qwen3, Gemma 3); blocks.post_attn_norm.scale [L, D] (Gemma 3); blocks.mlp_norm.scale [L, D];
+blocks.mlp.{gate,up,down}_proj.kernel [L, in, out]; blocks.post_mlp_norm.scale [L, D] (Gemma 3);
+final_norm.scale [D]; lm_head.kernel [D, V] when untied.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -40,18 +43,28 @@ class KVCache(NamedTuple):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: h = x + attn(norm(x)); y = h + mlp(norm(h))."""
+    """Pre-norm residual block: h = x + attn(norm(x)); y = h + mlp(norm(h)). With config.post_norms (Gemma 3) the
+    attention and MLP outputs are normed too: h = x + norm(attn(norm(x))); y = h + norm(mlp(norm(h)))."""
 
     def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, stack=stack)
+        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, offset=config.norm_offset,
+                                 stack=stack)
+        self.attn_norm = norm()
         self.attn = Attention(config, stack=stack, rngs=rngs)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, stack=stack)
+        self.post_attn_norm = norm() if config.post_norms else None
+        self.mlp_norm = norm()
         self.mlp = MLP(config, stack=stack, rngs=rngs)
+        self.post_mlp_norm = norm() if config.post_norms else None
 
-    def __call__(self, x, positions, q_slots, key_valid, cache=None, write_index=None):
-        h, cache = self.attn(self.attn_norm(x), positions, q_slots, key_valid, cache, write_index)
+    def __call__(self, x, positions, q_slots, key_valid, cache=None, write_index=None, layer=None):
+        h, cache = self.attn(self.attn_norm(x), positions, q_slots, key_valid, cache, write_index, layer)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
         x = constrain(x + h, ("batch", "length", "act_embed"))
-        x = constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "length", "act_embed"))
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        x = constrain(x + h, ("batch", "length", "act_embed"))
         return x, cache
 
 
@@ -74,7 +87,7 @@ class Decoder(nnx.Module):
                                embedding_init=nnx.initializers.normal(0.02))
         self.embed.embedding.set_metadata("axes", ("vocab", "embed"))
         self.blocks = Block(c, stack=c.num_layers, rngs=rngs)
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.norm_offset)
         self.lm_head = None if c.tie_embeddings else Linear(
             c.hidden_size, c.vocab_size, axes=("embed", "vocab"), rngs=rngs)
         if c.param_dtype != "float32":
@@ -94,16 +107,16 @@ class Decoder(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
 
         def body(h, xs):
-            layer_state, layer_cache = xs
+            layer_state, layer_cache, layer = xs
             block = nnx.merge(graphdef, layer_state)
             index = None if cache is None else cache.index
-            h, layer_cache = block(h, positions, q_slots, key_valid, layer_cache, index)
+            h, layer_cache = block(h, positions, q_slots, key_valid, layer_cache, index, layer)
             return h, layer_cache
 
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         layer_caches = None if cache is None else (cache.k, cache.v)
-        x, new_caches = jax.lax.scan(body, x, (state, layer_caches))
+        x, new_caches = jax.lax.scan(body, x, (state, layer_caches, jnp.arange(self.config.num_layers)))
         return x, new_caches
 
     def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -133,6 +146,8 @@ class Decoder(nnx.Module):
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         x = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.compute_dtype)
+        if self.config.scale_embeddings:  # √D rounded to the compute dtype, as Gemma's reference does
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
         return constrain(x, ("batch", "length", "act_embed"))
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:

@@ -9,8 +9,8 @@ a Linear weight as [out, in] like Hugging Face, so tensors are mapped to Hugging
 Face filling path.
 
 RoPE convention: llama.cpp's converter reorders the q/k rows of `llama` models for interleaved rotary pairs
-(`rope_rows_to_interleaved`); `qwen2` files keep the rotate-half order. By default the rows are brought back to
-rotate-half (Hugging Face layout: export then writes correct Hugging Face weights); `rope_interleaved=True`
+(`rope_rows_to_interleaved`); `qwen2` and `qwen3` files keep the rotate-half order. By default the rows are brought
+back to rotate-half (Hugging Face layout: export then writes correct Hugging Face weights); `rope_interleaved=True`
 keeps or produces the interleaved layout and sets `ModelConfig.rope_interleaved` — the same function either way.
 
 Tokenizer: `tokenizer.ggml.{tokens,merges,token_type,...}` rebuild a byte-level BPE with `tokenizers` alone; the
@@ -31,19 +31,22 @@ import numpy as np
 import tokenizers
 from jax.sharding import Mesh
 
-from logra_jax.models.config import ModelConfig
+from logra_jax.models.config import FAMILY_FEATURES, ModelConfig
 from logra_jax.models.decoder import Decoder, abstract_model
 from logra_jax.models.hf import RUNTIME_FIELDS, LoadStats, build_model, rope_heads, rope_rows_to_half
 from logra_jax.models.tokenizer import Tokenizer
 
 # General architecture → (ModelConfig.architecture, whether llama.cpp stored q/k rows interleaved).
-ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+# (Gemma 3 is not read: llama.cpp keeps its layer pattern, local RoPE base and attention scale out of the file,
+# and its SentencePiece vocabulary is not a byte-level BPE.)
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 
 # Hugging Face per-layer suffix → GGUF per-layer suffix.
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     **{f"self_attn.{p}_proj.{k}": f"attn_{p}.{k}" for p in "qkv" for k in ("weight", "bias")},
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")}}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -206,6 +209,7 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_names: set[str], *, sourc
     scaling = ({"rope_scaling": "linear", "rope_scaling_factor": _f32(field("rope.scaling.factor"))}
                if scaling_type == "linear" else {})
     tokens = fields.get("tokenizer.ggml.tokens")
+    features = {**FAMILY_FEATURES[ARCHITECTURES[arch][0]], "qkv_bias": "blk.0.attn_q.bias" in tensor_names}
     try:
         config = ModelConfig(
             architecture=ARCHITECTURES[arch][0],
@@ -215,8 +219,8 @@ def config_from_gguf(fields: Mapping[str, Any], tensor_names: set[str], *, sourc
             head_dim=head_dim,
             rope_theta=_f32(field("rope.freq_base", 10_000.0)), rope_interleaved=rope_interleaved,
             rms_norm_eps=_f32(field("attention.layer_norm_rms_epsilon")),
-            qkv_bias="blk.0.attn_q.bias" in tensor_names, tie_embeddings="output.weight" not in tensor_names,
-            max_seq_len=field("context_length", 2048), **scaling)
+            tie_embeddings="output.weight" not in tensor_names, max_seq_len=field("context_length", 2048),
+            **features, **scaling)
         return config.replace(**overrides) if overrides else config
     except (ValueError, TypeError) as err:
         raise ValueError(f"{source}: {err}") from err
@@ -278,7 +282,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], *, source: str = "GGUF") -> T
 def load_gguf(path: str | Path, *, rope_interleaved: bool = False,
               shardings: Mapping[str, jax.sharding.Sharding] | Mesh | None = None, stats: LoadStats | None = None,
               weights: bool = True, **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
-    """Load a GGUF file (architecture llama or qwen2), dequantised to float32, with its tokenizer.
+    """Load a GGUF file (architecture llama, qwen2 or qwen3), dequantised to float32, with its tokenizer.
 
     Args:
       path: the .gguf file.

@@ -35,13 +35,27 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax.models.config import ModelConfig
+from logra_jax.models.config import FAMILY_FEATURES, ModelConfig
 from logra_jax.models.decoder import Decoder, abstract_model, parameter_shardings
 from logra_jax.models.jsonfile import read_json_object
 from logra_jax.models.tokenizer import Tokenizer
 
-# config.json "architectures" entry → ModelConfig.architecture (Qwen2 = Llama with q/k/v bias).
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# config.json "architectures" entry → ModelConfig.architecture, and ours → config.json "model_type".
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Gemma3ForCausalLM": "gemma3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# Multimodal checkpoints whose text decoder we load: architecture → (config.json field holding the decoder's
+# config, prefix of its tensor names, prefixes of the tensors of the other modalities, which are skipped).
+MULTIMODAL = {"Gemma3ForConditionalGeneration": ("text_config", "language_model.",
+                                                 ("vision_tower.", "multi_modal_projector."))}
+# transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config lists only what differs.
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096}
+# Fields only Gemma 3 sets (None elsewhere).
+_GEMMA_ONLY = ("query_pre_attn_scalar", "sliding_window", "rope_local_theta")
+_SLIDING, _FULL = "sliding_attention", "full_attention"
 # Fields a caller may change at load time: numerics and memory, never shapes (those belong to the checkpoint).
 RUNTIME_FIELDS = ("dtype", "remat", "attention_impl", "attention_chunk", "max_seq_len")
 
@@ -50,7 +64,8 @@ _HF_FIELDS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_hea
               "num_kv_heads": "num_key_value_heads", "max_seq_len": "max_position_embeddings",
               "rope_scaling_factor": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
               "rope_high_freq_factor": "rope_scaling.high_freq_factor",
-              "rope_original_max_position": "rope_scaling.original_max_position_embeddings"}
+              "rope_original_max_position": "rope_scaling.original_max_position_embeddings",
+              "sliding_window_pattern": "layer_types", "rope_local_theta": "rope_local_base_freq"}
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
               "F64": np.dtype("<f8")}
 
@@ -72,15 +87,26 @@ def rope_rows_to_half(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def hf_tensor_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
-    """(parameter path, Hugging Face tensor name with "{i}" for the layer, transposed?) for every leaf."""
+    """(parameter path, Hugging Face tensor name with "{i}" for the layer, transposed?) for every leaf.
+
+    Llama's "post_attention_layernorm" is the norm before the MLP; Gemma 3's is the norm after attention (its
+    pre-MLP norm is "pre_feedforward_layernorm").
+    """
     layer = "model.layers.{i}."
     rows = [("embed.embedding", "model.embed_tokens.weight", False),
             ("blocks.attn_norm.scale", layer + "input_layernorm.weight", False),
-            ("blocks.mlp_norm.scale", layer + "post_attention_layernorm.weight", False),
             ("final_norm.scale", "model.norm.weight", False)]
+    if config.post_norms:
+        rows += [("blocks.post_attn_norm.scale", layer + "post_attention_layernorm.weight", False),
+                 ("blocks.mlp_norm.scale", layer + "pre_feedforward_layernorm.weight", False),
+                 ("blocks.post_mlp_norm.scale", layer + "post_feedforward_layernorm.weight", False)]
+    else:
+        rows.append(("blocks.mlp_norm.scale", layer + "post_attention_layernorm.weight", False))
     rows += [(f"blocks.attn.{p}_proj.kernel", f"{layer}self_attn.{p}_proj.weight", True) for p in "qkvo"]
     if config.qkv_bias:
         rows += [(f"blocks.attn.{p}_proj.bias", f"{layer}self_attn.{p}_proj.bias", False) for p in "qkv"]
+    if config.qk_norm:
+        rows += [(f"blocks.attn.{p}_norm.scale", f"{layer}self_attn.{p}_norm.weight", False) for p in "qk"]
     rows += [(f"blocks.mlp.{p}_proj.kernel", f"{layer}mlp.{p}_proj.weight", True) for p in ("gate", "up", "down")]
     if not config.tie_embeddings:
         rows.append(("lm_head.kernel", "lm_head.weight", True))
@@ -88,11 +114,14 @@ def hf_tensor_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
 
 
 def rope_heads(name: str, config: ModelConfig) -> int | None:
-    """Heads whose rows the RoPE convention orders, for a q/k weight or bias name; None for other tensors."""
+    """Heads whose rows the RoPE convention orders, for a q/k weight or bias name (1 for a per-head q/k norm,
+    whose [head_dim] weight follows the rows of every head); None for other tensors."""
     if ".self_attn.q_proj." in name:
         return config.num_heads
     if ".self_attn.k_proj." in name:
         return config.num_kv_heads
+    if ".self_attn.q_norm." in name or ".self_attn.k_norm." in name:
+        return 1
     return None
 
 
@@ -209,20 +238,29 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
 
 
 def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **overrides: Any) -> ModelConfig:
-    """ModelConfig from a parsed config.json (Llama or Qwen2; transformers 4.x or 5.x rope fields), with runtime
-    `overrides` (`RUNTIME_FIELDS`) applied; `source` names the file in error messages.
+    """ModelConfig from a parsed config.json (Llama, Qwen2, Qwen3 or Gemma 3 text; transformers 4.x or 5.x rope
+    and layer-type fields), with runtime `overrides` (`RUNTIME_FIELDS`) applied; `source` names the file in error
+    messages. Gemma 3 fields a config.json leaves out take Gemma3TextConfig's defaults. For a multimodal
+    checkpoint (`MULTIMODAL`: Gemma3ForConditionalGeneration) the config is that of its text decoder.
 
     Raises:
-      ValueError: unknown architecture, unsupported feature (activation, sliding window, o_proj bias, rope type),
-        missing or out-of-range field — the message names the file and the field.
+      ValueError: unknown architecture, unsupported feature (activation, bias, sliding window, softcapping, rope
+        type, layer pattern), missing or out-of-range field — the message names the file and the field.
     """
     archs = hf.get("architectures")
+    supported = sorted({*ARCHITECTURES, *MULTIMODAL})
     if not archs:
-        raise ValueError(f"{source}: missing field 'architectures' (one of {sorted(ARCHITECTURES)})")
-    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in ARCHITECTURES:
-        raise ValueError(f"{source}: unsupported architecture {archs!r}; "
-                         f"supported: {sorted(ARCHITECTURES)}")
-    architecture = ARCHITECTURES[archs[0]]
+        raise ValueError(f"{source}: missing field 'architectures' (one of {supported})")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in supported:
+        raise ValueError(f"{source}: unsupported architecture {archs!r}; supported: {supported}")
+    if archs[0] in MULTIMODAL:
+        text = hf.get(MULTIMODAL[archs[0]][0])
+        if not isinstance(text, Mapping):
+            raise ValueError(f"{source}: {archs[0]} needs an object {MULTIMODAL[archs[0]][0]!r}, got {text!r}")
+        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings"), **text, "architectures": ["Gemma3ForCausalLM"]}
+    architecture = ARCHITECTURES[hf["architectures"][0]]
+    if architecture == "gemma3":
+        hf = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     bad_overrides = sorted(set(overrides) - set(RUNTIME_FIELDS))
     if bad_overrides:
         raise ValueError(f"cannot override {bad_overrides} when loading {source}: only {RUNTIME_FIELDS}")
@@ -234,40 +272,25 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **over
             return default
         return hf[name]
 
-    if field("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
-    if field("mlp_bias", False):
-        raise ValueError(f"{source}: mlp_bias=true is not supported")
-    if architecture == "llama" and field("attention_bias", False):
-        raise ValueError(f"{source}: attention_bias=true (Llama o_proj bias) is not supported")
-    if architecture == "qwen2" and field("use_sliding_window", False):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported")
-    rope_key = "rope_parameters" if field("rope_parameters", None) else "rope_scaling"
-    rope = field(rope_key, None) or {}
-    if not isinstance(rope, Mapping):
-        raise ValueError(f"{source}: field {rope_key!r} is {rope!r}, not an object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, linear, llama3)")
+    _reject_unsupported(architecture, field, source)
+    gemma = architecture == "gemma3"
     heads, hidden = field("num_attention_heads"), field("hidden_size")
-    default_head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
-    scaling: dict[str, Any] = {}
-    if rope_type != "default":
-        scaling = {"rope_scaling": rope_type, "rope_scaling_factor": rope.get("factor", 1.0)}
-    if rope_type == "llama3":
-        scaling.update(rope_low_freq_factor=rope.get("low_freq_factor", 1.0),
-                       rope_high_freq_factor=rope.get("high_freq_factor", 4.0),
-                       rope_original_max_position=rope.get("original_max_position_embeddings", 8192))
+    default_head_dim = {"qwen3": 128, "gemma3": 256}.get(architecture) or (
+        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None)
+    layers = field("num_hidden_layers")
+    family: dict[str, Any] = dict(FAMILY_FEATURES[architecture])
+    if gemma:
+        family.update(query_pre_attn_scalar=field("query_pre_attn_scalar", 256), sliding_window=field(
+            "sliding_window", 4096), sliding_window_pattern=_sliding_pattern(field, layers, source))
     try:
         config = ModelConfig(
             architecture=architecture, vocab_size=field("vocab_size"), hidden_size=hidden,
-            intermediate_size=field("intermediate_size"), num_layers=field("num_hidden_layers"),
+            intermediate_size=field("intermediate_size"), num_layers=layers,
             num_heads=heads, num_kv_heads=field("num_key_value_heads", heads),
-            head_dim=field("head_dim", default_head_dim),
-            rope_theta=rope.get("rope_theta", field("rope_theta", 10_000.0)),
-            rms_norm_eps=field("rms_norm_eps", 1e-6), qkv_bias=architecture == "qwen2",
-            tie_embeddings=bool(field("tie_word_embeddings", False)),
-            max_seq_len=field("max_position_embeddings", 2048), **scaling)
+            head_dim=field("head_dim", default_head_dim), rms_norm_eps=field("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(field("tie_word_embeddings", gemma)),
+            max_seq_len=field("max_position_embeddings", 2048), **_rope_fields(architecture, field, source),
+            **family)
         return config.replace(**overrides) if overrides else config
     except (ValueError, TypeError) as err:
         renamed = [hf for ours, hf in _HF_FIELDS.items() if re.search(rf"\b{ours}\b", str(err))]
@@ -275,33 +298,124 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **over
         raise ValueError(f"{source}: {err}{note}") from err
 
 
+def _reject_unsupported(architecture: str, field: Callable[..., Any], source: str) -> None:
+    """Raise ValueError naming the config.json field of a feature the decoder does not implement."""
+    if architecture == "gemma3":
+        if field("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"{source}: hidden_activation={field('hidden_activation')!r} is not supported "
+                             "(only 'gelu_pytorch_tanh')")
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if field(name, None) is not None:
+                raise ValueError(f"{source}: {name}={field(name)!r} is not supported (only null, as in Gemma 3)")
+        if field("use_bidirectional_attention", False):
+            raise ValueError(f"{source}: use_bidirectional_attention=true is not supported")
+    elif field("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act={field('hidden_act')!r} is not supported (only 'silu')")
+    if field("mlp_bias", False):
+        raise ValueError(f"{source}: mlp_bias=true is not supported")
+    if architecture != "qwen2" and field("attention_bias", False):
+        raise ValueError(f"{source}: attention_bias=true (q/k/v/o bias) is not supported for {architecture}")
+    if architecture in ("qwen2", "qwen3") and field("use_sliding_window", False):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported for {architecture}")
+
+
+def _rope_fields(architecture: str, field: Callable[..., Any], source: str) -> dict[str, Any]:
+    """The ModelConfig RoPE fields from `rope_parameters` (transformers 5; for Gemma 3 one entry per layer type)
+    or `rope_theta` + `rope_scaling` (+ Gemma's `rope_local_base_freq`, transformers 4)."""
+    rope_key = "rope_parameters" if field("rope_parameters", None) else "rope_scaling"
+    rope = field(rope_key, None) or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"{source}: field {rope_key!r} is {rope!r}, not an object")
+    out: dict[str, Any] = {}
+    if architecture == "gemma3":
+        local: Any = {}
+        if _FULL in rope or _SLIDING in rope:
+            local, rope = rope.get(_SLIDING) or {}, rope.get(_FULL) or {}
+            if not isinstance(local, Mapping) or not isinstance(rope, Mapping):
+                raise ValueError(f"{source}: field {rope_key!r} entries must be objects, got {field(rope_key)!r}")
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: {rope_key}.{_SLIDING}.rope_type={local['rope_type']!r} is not "
+                             "supported (sliding layers use plain RoPE)")
+        out["rope_local_theta"] = local.get("rope_theta", field("rope_local_base_freq", 10_000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default, linear, llama3)")
+    out["rope_theta"] = rope.get("rope_theta", field("rope_theta", 1_000_000.0 if architecture == "gemma3"
+                                                     else 10_000.0))
+    if rope_type != "default":
+        out.update(rope_scaling=rope_type, rope_scaling_factor=rope.get("factor", 1.0))
+    if rope_type == "llama3":
+        out.update(rope_low_freq_factor=rope.get("low_freq_factor", 1.0),
+                   rope_high_freq_factor=rope.get("high_freq_factor", 4.0),
+                   rope_original_max_position=rope.get("original_max_position_embeddings", 8192))
+    return out
+
+
+def _sliding_pattern(field: Callable[..., Any], num_layers: Any, source: str) -> int:
+    """ModelConfig.sliding_window_pattern from Gemma 3's `layer_types` (transformers 5) or
+    `sliding_window_pattern` (4.x; default 6)."""
+    types = field("layer_types", None)
+    if types is None:
+        return field("sliding_window_pattern", 6)
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {_SLIDING, _FULL}:
+        raise ValueError(f"{source}: layer_types must list {num_layers} entries of {_SLIDING!r} / {_FULL!r}, "
+                         f"got {types!r}")
+    pattern = types.index(_FULL) + 1 if _FULL in types else num_layers + 1
+    if types != [_SLIDING if (i + 1) % pattern else _FULL for i in range(num_layers)]:
+        raise ValueError(f"{source}: layer_types {types!r} does not repeat ({pattern - 1} sliding layers, then "
+                         "one full): only such patterns are supported")
+    return pattern
+
+
 def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """The Hugging Face config.json dict of `config` (rope fields in the form transformers 4.x and 5.x read).
+    """The Hugging Face config.json dict of `config` (rope and layer-type fields in the form transformers 4.x and
+    5.x read).
 
     Raises:
-      ValueError: the config has no Hugging Face equivalent (llama with q/k/v bias, qwen2 without).
+      ValueError: the config has no Hugging Face equivalent (a family feature off its family's value, named).
     """
-    if config.qkv_bias != (config.architecture == "qwen2"):
-        raise ValueError(f"export: architecture={config.architecture!r} with qkv_bias={config.qkv_bias} has no "
-                         "Hugging Face equivalent (Qwen2 has q/k/v bias, Llama has none)")
+    family = FAMILY_FEATURES[config.architecture]
+    for name, value in family.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"export: architecture={config.architecture!r} with {name}={getattr(config, name)!r} "
+                             f"has no Hugging Face equivalent ({config.architecture} has {name}={value!r})")
+    gemma = config.architecture == "gemma3"
+    for name in _GEMMA_ONLY if not gemma else ():
+        if getattr(config, name) is not None:
+            raise ValueError(f"export: {name}={getattr(config, name)!r} has no Hugging Face equivalent for "
+                             f"architecture={config.architecture!r} (only gemma3 has it)")
     hf: dict[str, Any] = {
         "architectures": [next(k for k, v in ARCHITECTURES.items() if v == config.architecture)],
-        "model_type": config.architecture, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": None,
-        "tie_word_embeddings": config.tie_embeddings, "torch_dtype": "float32"}
+        "model_type": MODEL_TYPES[config.architecture], "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta, "rope_scaling": None, "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": "float32"}
     if config.rope_scaling is not None:
         hf["rope_scaling"] = {"rope_type": config.rope_scaling, "factor": config.rope_scaling_factor}
     if config.rope_scaling == "llama3":
         hf["rope_scaling"].update(
             low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
             original_max_position_embeddings=config.rope_original_max_position)
+    if gemma:
+        sliding = config.sliding_layers()
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        hf.update(hidden_activation="gelu_pytorch_tanh",  # transformers types query_pre_attn_scalar as an int
+                  query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                  sliding_window=config.sliding_window, sliding_window_pattern=config.sliding_window_pattern,
+                  layer_types=[_SLIDING if s else _FULL for s in sliding],
+                  rope_local_base_freq=config.rope_local_theta or config.rope_theta, attention_bias=False,
+                  final_logit_softcapping=None, attn_logit_softcapping=None)
+    else:
+        hf["hidden_act"] = "silu"
     if config.architecture == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
-    else:
+    elif config.architecture in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False, sliding_window=None)
+    if config.architecture == "qwen3":
+        hf["attention_bias"] = False
     if tokenizer is not None:
         hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     return hf
@@ -428,7 +542,9 @@ def _open_checkpoint(directory: Path) -> dict[str, SafetensorsFile]:
 def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Sharding] | Mesh | None = None,
             stats: LoadStats | None = None, weights: bool = True,
             **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
-    """Load a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM directory (config.json + safetensors).
+    """Load a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma3ForCausalLM directory
+    (config.json + safetensors), or the text decoder of a Gemma3ForConditionalGeneration one (google/gemma-3-4b,
+    -12b, -27b; its vision tower is not read).
 
     The directory holds config.json, model.safetensors or model.safetensors.index.json (+ shards), and
     optionally tokenizer.json / tokenizer_config.json. `shardings` maps a parameter path
@@ -447,20 +563,23 @@ def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Shard
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {directory}" if directory.is_dir()
                                 else f"checkpoint directory not found: {directory}")
-    config = config_from_hf(read_json_object(config_path), source=str(config_path), **overrides)
+    hf_config = read_json_object(config_path)
+    config = config_from_hf(hf_config, source=str(config_path), **overrides)
     tokenizer = Tokenizer.from_directory(directory) if (directory / "tokenizer.json").is_file() else None
     if not weights:
         return abstract_model(config), tokenizer, config
     files = _open_checkpoint(directory)
+    _, prefix, skipped = MULTIMODAL.get(hf_config["architectures"][0], (None, "", ()))
 
     def read(name: str) -> np.ndarray:
-        if name not in files:
-            raise ValueError(f"{directory}: tensor {name!r} is missing from the checkpoint")
-        return files[name].get(name)
+        if prefix + name not in files:
+            raise ValueError(f"{directory}: tensor {prefix + name!r} is missing from the checkpoint")
+        return files[prefix + name].get(prefix + name)
 
     model, used = build_model(config, read, source=str(directory), shardings=shardings, stats=stats)
-    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
-    unexpected = sorted(n for n in set(files) - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    ignorable = {prefix + "lm_head.weight"} if config.tie_embeddings else set()
+    unexpected = sorted(n for n in set(files) - {prefix + u for u in used} - ignorable
+                        if not n.endswith("rotary_emb.inv_freq") and not n.startswith(skipped))
     if unexpected:
         raise ValueError(f"{directory}: tensors not used by a {config.architecture} model with this config.json: "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")

@@ -1,4 +1,5 @@
-"""Decoder building blocks: RMSNorm, Linear, RoPE and grouped-query attention.
+"""Decoder building blocks: RMSNorm, Linear, RoPE, grouped-query attention (optionally sliding-window) and the
+gated MLP.
 
 Parameters are float32 and carry logical axis names in their `axes` metadata (see logra_jax.sharding).
 A module built with `stack=L` holds L layers' parameters stacked on a leading "layers" axis; the decoder scans
@@ -34,16 +35,24 @@ def _stacked(shape: tuple[int, ...], axes: tuple[str, ...], stack: int | None):
 
 
 class RMSNorm(nnx.Module):
-    """y = x / sqrt(mean(x²) + eps) · scale, computed in float32 and returned in x's dtype."""
+    """y = x / sqrt(mean(x²) + eps) · (offset + scale), returned in x's dtype.
 
-    def __init__(self, features: int, eps: float, *, stack: int | None = None):
+    offset 0 (Llama, Qwen): the normalised x is cast to x's dtype before the multiply; offset 1 (Gemma, whose
+    stored scale is centred on 0 and initialised to 0): the multiply is done in float32 and then cast, as each
+    family's reference does.
+    """
+
+    def __init__(self, features: int, eps: float, *, offset: float = 0.0, stack: int | None = None):
         shape, axes = _stacked((features,), ("norm",), stack)
-        self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
+        self.scale = nnx.Param(jnp.full(shape, 1.0 - offset, jnp.float32), axes=axes)
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return (y.astype(x.dtype) * self.scale[...].astype(x.dtype)).astype(x.dtype)
 
 
@@ -93,10 +102,16 @@ class Linear(nnx.Module):
         return y
 
 
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-    """Inverse frequencies θ^(-2i/d) [head_dim/2], with linear or llama3 scaling applied."""
+def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> jax.Array:
+    """Inverse frequencies θ^(-2i/d) [head_dim/2], with linear or llama3 scaling applied.
+
+    local=True: the sliding layers' frequencies, base `rope_local_theta` (else rope_theta) and no scaling.
+    """
     hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    theta = config.rope_theta if not local or config.rope_local_theta is None else config.rope_local_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    if local:
+        return inv_freq
     if config.rope_scaling == "linear":
         inv_freq = inv_freq / config.rope_scaling_factor
     elif config.rope_scaling == "llama3":
@@ -133,22 +148,34 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interlea
     return out.astype(x.dtype)
 
 
-def _dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, key_valid: jax.Array
-                     ) -> jax.Array:
-    """softmax(q kᵀ/√hd + mask) v with q [B, T, Hkv, G, hd], k/v [B, S, Hkv, hd]; mask: key valid and causal
-    (key slot ≤ the query's slot, q_slots [B, T])."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def key_mask(q_slots: jax.Array, key_slots: jax.Array, key_valid: jax.Array, window: jax.Array | None = None,
+             q_positions: jax.Array | None = None, key_positions: jax.Array | None = None) -> jax.Array:
+    """Which keys each query may attend to, [B, T, S]: real (`key_valid` [B, S]), not after the query
+    (key slot <= query slot; `q_slots` [T] or [B, T], `key_slots` [S]) and, with a `window` (a scalar, traced or
+    not), fewer than `window` positions behind it: q_positions [B, T] − key_positions [B, S] < window.
+    """
+    mask = key_valid[:, None, :] & (key_slots <= q_slots[..., None])
+    if window is not None:
+        mask = mask & (q_positions[:, :, None] - key_positions[:, None, :] < window)
+    return mask
+
+
+def _dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, key_valid: jax.Array, *,
+                     scale: float, window: jax.Array | None = None, q_positions: jax.Array | None = None,
+                     key_positions: jax.Array | None = None) -> jax.Array:
+    """softmax(scale · q kᵀ + mask) v with q [B, T, Hkv, G, hd], k/v [B, S, Hkv, hd]; mask: `key_mask`."""
     s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    key_slots = jnp.arange(k.shape[1])
-    mask = key_valid[:, None, :] & (key_slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
+    mask = key_mask(q_slots, jnp.arange(k.shape[1]), key_valid, window, q_positions, key_positions)
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
 def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Array, key_valid: jax.Array,
-                       chunk: int) -> jax.Array:
-    """Same result as `_dense_attention`, with an online softmax over key chunks (no [T, S] scores)."""
+                       chunk: int, *, scale: float, window: jax.Array | None = None,
+                       q_positions: jax.Array | None = None, key_positions: jax.Array | None = None) -> jax.Array:
+    """Same result as `_dense_attention`, with an online softmax over key chunks (no [T, S] scores). A sliding
+    window is a mask here: every chunk is still visited."""
     B, S, Hkv, hd = k.shape
     T, G = q.shape[1], q.shape[3]
     n = -(-S // chunk)
@@ -157,18 +184,20 @@ def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Ar
         k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
         key_valid = jnp.pad(key_valid, ((0, 0), (0, pad)))
+        if key_positions is not None:
+            key_positions = jnp.pad(key_positions, ((0, 0), (0, pad)))
     kc = k.reshape(B, n, chunk, Hkv, hd).swapaxes(0, 1)
     vc = v.reshape(B, n, chunk, Hkv, hd).swapaxes(0, 1)
     validc = key_valid.reshape(B, n, chunk).swapaxes(0, 1)
+    posc = None if key_positions is None else key_positions.reshape(B, n, chunk).swapaxes(0, 1)
     slotc = jnp.arange(n * chunk).reshape(n, chunk)
-    scale = 1.0 / math.sqrt(hd)
 
     @jax.checkpoint
     def step(carry, xs):
         m, denom, acc = carry
-        kb, vb, validb, slotb = xs
+        kb, vb, validb, slotb, posb = xs
         s = jnp.einsum("btkgh,bskh->bkgts", q, kb, preferred_element_type=jnp.float32) * scale
-        mask = validb[:, None, :] & (slotb[None, None, :] <= q_slots[:, :, None])
+        mask = key_mask(q_slots, slotb, validb, window, q_positions, posb)
         s = jnp.where(mask[:, None, None], s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
@@ -180,13 +209,14 @@ def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_slots: jax.Ar
 
     init = (jnp.full((B, Hkv, G, T), MASK_VALUE, jnp.float32), jnp.zeros((B, Hkv, G, T), jnp.float32),
             jnp.zeros((B, Hkv, G, T, hd), jnp.float32))
-    (_, denom, acc), _ = jax.lax.scan(step, init, (kc, vc, validc, slotc))
+    (_, denom, acc), _ = jax.lax.scan(step, init, (kc, vc, validc, slotc, posc))
     out = acc / denom[..., None]
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE and an optional KV cache."""
+    """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm, an optional sliding window and an
+    optional KV cache."""
 
     def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
         c = config
@@ -198,52 +228,88 @@ class Attention(nnx.Module):
         self.v_proj = Linear(c.hidden_size, c.kv_size, axes=("embed", "kv_heads"), use_bias=c.qkv_bias,
                              stack=stack, rngs=rngs)
         self.o_proj = Linear(c.q_size, c.hidden_size, axes=("q_heads", "embed"), stack=stack, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, offset=c.norm_offset, stack=stack)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, offset=c.norm_offset, stack=stack)
+        else:
+            self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, positions: jax.Array, q_slots: jax.Array, key_valid: jax.Array,
                  cache: tuple[jax.Array, jax.Array] | None = None, write_index: jax.Array | None = None,
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+                 layer: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B, T, D] → [B, T, D]; q_slots [B, T] are the queries' cache slots (causality). With a cache
         (k, v [B, S, Hkv, hd]) row b's new keys are written at `write_index[b]` and attention runs over the whole
-        cache; `key_valid` [B, S] marks real tokens."""
+        cache; `key_valid` [B, S] marks real tokens.
+        `layer` (the layer's index, traced under the decoder's scan) selects the sliding window and RoPE base of
+        that layer; it is required when the config has a sliding window."""
         with jax.named_scope("attention"):  # names the buffers in compiled memory reports
-            return self._attend(x, positions, q_slots, key_valid, cache, write_index)
+            return self._attend(x, positions, q_slots, key_valid, cache, write_index, layer)
 
-    def _attend(self, x, positions, q_slots, key_valid, cache, write_index):
+    def _layer_rope_and_window(self, layer: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """(inverse RoPE frequencies, sliding window or None) of layer `layer`; global layers get an unbounded
+        window (the mask is built alike on every layer of the scan)."""
+        c = self.config
+        if c.sliding_window is None:
+            return rope_inv_freq(c), None
+        if layer is None:
+            raise ValueError("Attention: `layer` is required when ModelConfig.sliding_window is set "
+                             f"({c.sliding_window})")
+        sliding = jnp.asarray(c.sliding_layers())[layer]
+        inv_freq = jnp.where(sliding, rope_inv_freq(c, local=True), rope_inv_freq(c))
+        window = jnp.where(sliding, c.sliding_window, jnp.iinfo(jnp.int32).max)
+        return inv_freq, window
+
+    def _attend(self, x, positions, q_slots, key_valid, cache, write_index, layer):
         c = self.config
         B, T, _ = x.shape
         G = c.num_heads // c.num_kv_heads
-        inv_freq = rope_inv_freq(c)
+        inv_freq, window = self._layer_rope_and_window(layer)
         q = self.q_proj(x).reshape(B, T, c.num_heads, c.head_dim)
         k = self.k_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, positions, inv_freq, c.rope_interleaved),
                       ("batch", "length", "act_heads", None))
         k = constrain(apply_rope(k, positions, inv_freq, c.rope_interleaved),
                       ("batch", "length", "act_kv_heads", None))
         v = constrain(v, ("batch", "length", "act_kv_heads", None))
+        key_positions = positions if window is not None else None
         if cache is not None:
             cache_k, cache_v = (write_rows(c, new, write_index) for c, new in zip(cache, (k, v)))
             cache = (cache_k, cache_v)
             k, v = cache_k.astype(x.dtype), cache_v.astype(x.dtype)
+            key_positions = cache_key_positions(key_valid) if window is not None else None
         qg = q.reshape(B, T, c.num_kv_heads, G, c.head_dim)
+        scale = (c.head_dim if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar) ** -0.5
+        masking = dict(scale=scale, window=window, q_positions=positions, key_positions=key_positions)
         if c.attention_impl == "chunked":
-            out = _chunked_attention(qg, k, v, q_slots, key_valid, c.attention_chunk)
+            out = _chunked_attention(qg, k, v, q_slots, key_valid, c.attention_chunk, **masking)
         else:
-            out = _dense_attention(qg, k, v, q_slots, key_valid)
+            out = _dense_attention(qg, k, v, q_slots, key_valid, **masking)
         out = constrain(out.reshape(B, T, c.q_size), ("batch", "length", "act_heads"))
         return self.o_proj(out), cache
 
 
+def cache_key_positions(key_valid: jax.Array) -> jax.Array:
+    """RoPE positions [B, S] of a cache's keys: the count of real slots before each slot (the position the
+    decoder gave each real token when it was written, for any padding)."""
+    return jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x))."""
+    """Gated MLP: down(act(gate(x)) · up(x)); act = silu (SwiGLU) or tanh-approximated GELU (GeGLU)."""
 
     def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
+        self.activation = config.mlp_activation
         self.gate_proj = Linear(d, f, axes=("embed", "mlp"), stack=stack, rngs=rngs)
         self.up_proj = Linear(d, f, axes=("embed", "mlp"), stack=stack, rngs=rngs)
         self.down_proj = Linear(f, d, axes=("mlp", "embed"), stack=stack, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("mlp"):  # names the buffers in compiled memory reports
-            h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+            gate = self.gate_proj(x)
+            act = jax.nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+            h = act * self.up_proj(x)
             return self.down_proj(constrain(h, ("batch", "length", "act_mlp")))

@@ -129,20 +129,27 @@ class Tokenizer:
         """Text of `ids`; special tokens are dropped unless skip_special=False."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    def format_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    def format_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                    **variables: Any) -> str:
         """The chat template rendered for `messages` ([{"role": ..., "content": ...}, ...]).
+
+        `variables` are passed to the template as Hugging Face's `apply_chat_template` passes its extra keyword
+        arguments (e.g. Qwen3's enable_thinking=False).
 
         Raises:
           ValueError: the tokenizer has no chat template, or the template rejects the messages.
         """
         if self._template is None:
             raise ValueError("Tokenizer.format_chat: this tokenizer has no chat_template")
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos or "", eos_token=self.eos)
+        return self._template.render(**variables, messages=list(messages),
+                                     add_generation_prompt=add_generation_prompt, bos_token=self.bos or "",
+                                     eos_token=self.eos)
 
-    def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `format_chat(messages)` (the template itself decides about bos)."""
-        return self.encode(self.format_chat(messages, add_generation_prompt=add_generation_prompt), add_bos=False)
+    def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]:
+        """Token ids of `format_chat(messages, ...)` (the template itself decides about bos)."""
+        text = self.format_chat(messages, add_generation_prompt=add_generation_prompt, **variables)
+        return self.encode(text, add_bos=False)
 
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (Hugging Face format) into an existing `directory`."""

@@ -18,7 +18,9 @@ from logra_jax.models import init_model
 TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5)
 HF_CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+              "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -30,21 +32,21 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise)
 
 
-@pytest.fixture
+def _make_hf_model(arch: str, *, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    config_cls, model_cls = HF_CLASSES[arch]
+    config = config_cls(**{**TINY_HF, **overrides}, attn_implementation="eager")
+    model = model_cls(config).eval()
+    _randomize(model, seed)
+    return model
+
+
+@pytest.fixture(scope="session")
 def hf_model():
-    """Factory: a random-weight transformers Llama/Qwen2 model in fp32 with eager attention."""
-
-    def make(arch: str, *, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-        config_cls, model_cls = HF_CLASSES[arch]
-        config = config_cls(**{**TINY_HF, **overrides}, attn_implementation="eager")
-        model = model_cls(config).eval()
-        _randomize(model, seed)
-        return model
-
-    return make
+    """Factory: a random-weight transformers Llama/Qwen2/Qwen3/Gemma 3 model in fp32 with eager attention."""
+    return _make_hf_model
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def hf_logits():
     """Logits of a transformers model, fp32 numpy; with a mask, positions count real tokens (as ours do)."""
 
@@ -59,7 +61,7 @@ def hf_logits():
     return run
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def padded_batch():
     """tokens [3, 20] and a mask: row 0 unpadded, row 1 left-padded by 5, row 2 right-padded by 6."""
     tokens = np.random.default_rng(0).integers(0, TINY_HF["vocab_size"], (3, 20)).astype(np.int32)
@@ -69,7 +71,7 @@ def padded_batch():
     return tokens, mask
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def max_rel_err():
     """max |ours − ref| / max |ref| over the selected entries (per-entry ratios explode near zero)."""
 

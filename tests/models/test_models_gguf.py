@@ -75,7 +75,8 @@ MIXED = {"token_embd": Q.Q8_0, "attn_q": Q.Q8_0, "attn_k": Q.F16, "attn_v": Q.Q4
 @pytest.mark.parametrize("arch,overrides,qtypes", [
     ("llama", dict(tie_word_embeddings=False), MIXED),
     ("qwen2", dict(tie_word_embeddings=True), {}),
-], ids=["llama-untied-quantised", "qwen2-tied-bias-f32"])
+    ("qwen3", dict(tie_word_embeddings=False, head_dim=32), {"attn_q": Q.Q8_0, "ffn_up": Q.Q4_1}),
+], ids=["llama-untied-quantised", "qwen2-tied-bias-f32", "qwen3-untied-qk-norm-quantised"])
 def test_gguf_logits_match_transformers_in_both_rope_conventions(
         arch, overrides, qtypes, tmp_path, hf_model, hf_logits, forward, padded_batch, max_rel_err):
     peer = hf_model(arch, **overrides)

@@ -98,3 +98,49 @@ def test_tokenizer_errors_name_the_problem(tmp_path):
     _write_hf_tokenizer(tmp_path, {"bos_token": "<s>"})
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: no eos_token"):
         Tokenizer.from_directory(tmp_path)
+
+
+# Templates written in the shape of the two families' (not copies): Qwen3's ChatML with its thinking switch
+# (namespace, reversed message scan, string methods, an extra `enable_thinking` variable) and Gemma 3's turns
+# (bos, "model" for the assistant, the system prompt folded into the first user turn, raise_exception, trim).
+QWEN3_STYLE = """{%- set ns = namespace(last_user=messages|length - 1) %}
+{%- for m in messages[::-1] %}{%- if m.role == 'user' and ns.last_user == messages|length - 1 %}
+{%- set ns.last_user = messages|length - 1 - loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}
+{%- set content = m.content %}
+{%- if m.role == 'assistant' and '</think>' in content %}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}
+{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""
+GEMMA3_STYLE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' %}{%- set prefix = messages[0]['content'] + '\\n\\n' %}
+{%- set rest = messages[1:] %}{%- else %}{%- set prefix = '' %}{%- set rest = messages %}{%- endif %}
+{%- for m in rest %}
+{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}
+{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}
+{{- '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + m['content'] | trim + '<end_of_turn>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{%- endif %}"""
+
+
+@pytest.mark.parametrize("template", [QWEN3_STYLE, GEMMA3_STYLE], ids=["qwen3-style", "gemma3-style"])
+def test_family_style_chat_templates_render_as_transformers(template, tmp_path):
+    base = char_tokenizer()
+    tok = Tokenizer(base.backend, eos=base.eos, bos=base.bos, pad=base.pad, chat_template=template)
+    tok.save(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? "},
+            {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}, {"role": "user", "content": "3+3?"}]
+    for variables in ({}, {"enable_thinking": False}):
+        ours = Tokenizer.from_directory(tmp_path).format_chat(chat, **variables)
+        assert ours == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **variables)
+    if template is GEMMA3_STYLE:
+        with pytest.raises(ValueError, match="roles must alternate"):
+            tok.format_chat(chat[:2] + chat[3:])
+    else:
+        assert tok.format_chat(chat, enable_thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert "add" not in tok.format_chat(chat)

@@ -46,8 +46,8 @@ def test_quadratic_term_equals_exact_kl_for_small_steps(temperature):
     np.testing.assert_allclose(q_shift, q, rtol=1e-4)
 
 
-def _setup(seed=1, rank=8):
-    model = init_model(preset("tiny"), seed=seed)
+def _setup(seed=1, rank=8, model_preset="tiny"):
+    model = init_model(preset(model_preset), seed=seed)
     spec = SketchSpec(rank=rank)
     attach_sketch_probes(model, spec)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -59,8 +59,11 @@ def _setup(seed=1, rank=8):
     return graphdef, params, rest, grads, probe
 
 
-def test_predicted_matches_realised_kl_on_tiny_model():
-    graphdef, params, rest, grads, probe = _setup()
+# The Gemma 3 layout: the probe's JVP runs through q/k norms, (1 + w) and post norms, GeGLU and the
+# sliding window (16 tokens, window 8).
+@pytest.mark.parametrize("model_preset", ["tiny", "tiny-gemma3"])
+def test_predicted_matches_realised_kl_on_tiny_model(model_preset):
+    graphdef, params, rest, grads, probe = _setup(model_preset=model_preset)
     # A small step (KL ≈ 1e-5 per token: quadratic regime) yet well above the fp32 noise floor of the realised KL
     # (≈ 1e-7 per token; at ratio 1e-3, KL ≈ 1e-6, that noise alone moves the ratio by a few %).
     tx = logra(rank=8, update_ratio=3e-3, round_bf16=False)

@@ -34,9 +34,13 @@ def _dense_oracle(graphdef, params, rest, batch, targets, spec):
     return out
 
 
-@pytest.mark.parametrize(("remat", "distribution"), [("none", "rademacher"), ("full", "gaussian")])
-def test_sketch_equals_dense_gradient_oracle(remat, distribution):
-    model = init_model(preset("tiny", remat=remat))
+# tiny-qwen3 / tiny-gemma3: the sketches flow back through q/k norms, (1 + w) and post norms, GeGLU and the
+# sliding window (12 tokens, window 8).
+@pytest.mark.parametrize(("model_preset", "remat", "distribution"), [
+    ("tiny", "none", "rademacher"), ("tiny", "full", "gaussian"), ("tiny-qwen3", "none", "rademacher"),
+    ("tiny-gemma3", "full", "rademacher")])
+def test_sketch_equals_dense_gradient_oracle(model_preset, remat, distribution):
+    model = init_model(preset(model_preset, remat=remat))
     spec = SketchSpec(rank=8, distribution=distribution)
     targets = attach_sketch_probes(model, spec)
     assert len(targets) == 7

@@ -22,7 +22,7 @@ def test_config_validates(name, arg):
     assert run.train.steps >= 1
 
 
-@pytest.mark.parametrize("arg", ["1.5b", "7b", "1.5b,runlocal"])
+@pytest.mark.parametrize("arg", ["1.5b", "7b", "1.5b,runlocal", "27b", "qwen3-8b"])
 def test_paper_recipe_needs_a_checkpoint_and_data(arg):
     config = load("paper_qwen2.5_math.py", arg)
     with pytest.raises(ValueError, match=r"config\.model\.tokenizer"):
@@ -34,6 +34,7 @@ def test_paper_recipe_needs_a_checkpoint_and_data(arg):
     run = RunConfig.from_dict(config)
     assert (run.optimizer.rank, run.optimizer.update_ratio, run.algorithm.tis_cap) == (256, 6e-5, 2.0)
     assert (run.algorithm.estimator, run.rollout.num_samples, run.algorithm.reward_incorrect) == ("reinforce", 1, -0.01)
+    assert run.model.preset == {"27b": "gemma3-27b", "qwen3-8b": "qwen3-8b"}.get(arg, run.model.preset)
     with pytest.raises(ValueError, match="unknown variant '3b'"):
         load("paper_qwen2.5_math.py", "3b")
 
