@@ -48,8 +48,8 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       init_fn: () -> (TrainState, rest); only traced (`jax.eval_shape`).
       abstract_batch: the global batch as ShapeDtypeStructs.
       mesh, rules: the mesh and logical rules the step is sharded with.
-      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`; XLA:CPU options are dropped
-        when the mesh is not CPU).
+      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`; its XLA:CPU options, found by
+        name in any mapping, are dropped when the mesh is not CPU; other options are kept).
       with_cost: also return the step's cost per device from its compiled HLO, every loop iteration counted
         (`logra_jax.hlo_cost`): "flops", "matmul_flops", "bytes_accessed", "collective_bytes",
         "unknown_trip_counts" and "uncounted_custom_calls" (how many loops counted once, how many kernels
@@ -69,8 +69,8 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       >>> mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"], mem["argument"] >= 1024
       (True, True)
     """
-    if compiler_options is shd.FAST_CPU_COMPILE and mesh.devices.flat[0].platform != "cpu":
-        compiler_options = None
+    if compiler_options and mesh.devices.flat[0].platform != "cpu":  # XLA:CPU's options, by name, go
+        compiler_options = {k: v for k, v in compiler_options.items() if k not in shd.FAST_CPU_COMPILE} or None
     abstract_state, abstract_rest = jax.eval_shape(init_fn)
     state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh, rules)
     batch_sh = shd.batch_shardings(abstract_batch, mesh, rules)
