@@ -28,6 +28,20 @@ from logra_jax.run_config import OptimizerSection
 from logra_jax.train_step import TrainState, make_train_step, step_shardings
 
 
+def options_for(platform: str, compiler_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """`compiler_options` for a compile on `platform`: off CPU, without the XLA:CPU options of
+    `sharding.FAST_CPU_COMPILE` (found by name, in any mapping); None when nothing is left.
+
+    >>> options_for("tpu", {**shd.FAST_CPU_COMPILE, "xla_dump_to": "/tmp/d"})
+    {'xla_dump_to': '/tmp/d'}
+    """
+    if not compiler_options:
+        return None
+    if platform == "cpu":
+        return dict(compiler_options)
+    return {k: v for k, v in compiler_options.items() if k not in shd.FAST_CPU_COMPILE} or None
+
+
 def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]], abstract_batch: Any,
                 mesh: jax.sharding.Mesh, rules: shd.LogicalRules = shd.DEFAULT_RULES, *,
                 compiler_options: Mapping[str, Any] | None = None, with_cost: bool = False) -> dict[str, int]:
@@ -69,8 +83,7 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       >>> mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"], mem["argument"] >= 1024
       (True, True)
     """
-    if compiler_options and mesh.devices.flat[0].platform != "cpu":  # XLA:CPU's options, by name, go
-        compiler_options = {k: v for k, v in compiler_options.items() if k not in shd.FAST_CPU_COMPILE} or None
+    compiler_options = options_for(mesh.devices.flat[0].platform, compiler_options)
     abstract_state, abstract_rest = jax.eval_shape(init_fn)
     state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh, rules)
     batch_sh = shd.batch_shardings(abstract_batch, mesh, rules)
