@@ -14,10 +14,12 @@ accelerator:
 Run under them with JAX_PLATFORMS=cpu, e.g.
   JAX_PLATFORMS=cpu .venv-tpu/bin/python experiments/memory/run.py --target v5e:2x2
 
-`target_info(target)` needs no compiler: the chip's published HBM size, peak bf16 FLOP/s and HBM bandwidth (per
-device, with the sources cited in `_CHIPS`), the TPU VMEM the compiler allocates (measured) and the GPU shared
-memory per block. GPU targets are described to XLA by a `GpuTargetConfigProto` (text format) written from the
-vendors' published specifications (`gpu_target_config`).
+`target_info(target)` needs no compiler: the chip's published HBM size, peak bf16 FLOP/s, HBM bandwidth and
+inter-chip bandwidth (ICI per TPU chip, NVLink per GPU; per device, with the sources cited in `_CHIPS`), the TPU
+VMEM the compiler allocates (measured) and the GPU shared memory per block. `roofline(flops, hbm_bytes,
+collective_bytes, info)` turns a step's cost (`logra_jax.hlo_cost`) into a time on that chip. GPU targets are
+described to XLA by a `GpuTargetConfigProto` (text format) written from the vendors' published specifications
+(`gpu_target_config`).
 
 Example:
   >>> info = target_info("v5e:2x4")
@@ -25,6 +27,9 @@ Example:
   ('tpu', 8, 16.0)
   >>> len(devices("cpu:1"))
   1
+  >>> r = roofline(197e12, 819e9, 200e9, info)  # 1 s of peak flops, 1 s of HBM, 1 s of ICI on v5e
+  >>> round(r.compute, 3), round(r.memory, 3), round(r.collective, 3), round(r.seconds, 3), r.bound
+  (1.0, 1.0, 1.0, 2.0, 'compute')
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import os
 import sys
 
 import jax
-import numpy as np
 
 from logra_jax import sharding as shd
 from logra_jax.kernels.backend import TPU_VMEM_BYTES
@@ -54,6 +58,7 @@ class _Chip:
     hbm_bytes: int
     peak_bf16_flops: float  # dense bf16 matmul FLOP/s
     hbm_bandwidth: float  # bytes/s
+    link_bandwidth: float  # bytes/s a chip receives over all its inter-chip links (ICI, NVLink): one direction
     sources: tuple[str, ...]
     devices_per_chip: int = 1  # TPU v4's compile-only topology has one device per TensorCore (2 per chip)
     gpu: dict[str, float] | None = None  # the GpuDeviceInfoProto fields of a GPU (see `gpu_target_config`)
@@ -66,32 +71,42 @@ _CUDA_GUIDE = ("NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per
 # Shared memory per block without opting in is 48 KiB on every compute capability (same guide).
 _SMEM_DEFAULT = 48 * 1024
 
+_SCALING_BOOK = ("How to Scale Your Model (JAX team), 'How to Think About TPUs': ICI bandwidth per link, one-way "
+                 "and bidirectional, https://jax-ml.github.io/scaling-book/tpus/")
 _CHIPS: dict[str, _Chip] = {
-    # Google Cloud TPU system-architecture pages, per chip: peak bf16 compute, HBM capacity and bandwidth.
-    "v4": _Chip("tpu", "TPU v4", 32 * GIB, 275e12, 1200e9, (_TPU_DOCS.format("v4"),), devices_per_chip=2),
-    "v5e": _Chip("tpu", "TPU v5 lite", 16 * GIB, 197e12, 819e9, (_TPU_DOCS.format("v5e"),)),
-    "v5p": _Chip("tpu", "TPU v5", 95 * GIB, 459e12, 2765e9, (_TPU_DOCS.format("v5p"),)),
-    "v6e": _Chip("tpu", "TPU v6 lite", 32 * GIB, 918e12, 1640e9, (_TPU_DOCS.format("v6e"),)),
+    # Google Cloud TPU system-architecture pages, per chip: peak bf16 compute, HBM capacity and bandwidth, and the
+    # bidirectional ICI bandwidth per chip (v5e 400 GB/s, v5p 1200 GB/s, v6e 800 GB/s), of which one direction
+    # (half) is what a chip receives. The v4 page gives none: 6 links × 45 GB/s one-way (the scaling book's
+    # per-link figure for v4, whose 3D torus has 6 links per chip, as v5p's).
+    "v4": _Chip("tpu", "TPU v4", 32 * GIB, 275e12, 1200e9, 6 * 45e9, (_TPU_DOCS.format("v4"), _SCALING_BOOK),
+                devices_per_chip=2),
+    "v5e": _Chip("tpu", "TPU v5 lite", 16 * GIB, 197e12, 819e9, 400e9 / 2, (_TPU_DOCS.format("v5e"),)),
+    "v5p": _Chip("tpu", "TPU v5", 95 * GIB, 459e12, 2765e9, 1200e9 / 2, (_TPU_DOCS.format("v5p"),)),
+    "v6e": _Chip("tpu", "TPU v6 lite", 32 * GIB, 918e12, 1640e9, 800e9 / 2, (_TPU_DOCS.format("v6e"),)),
     # NVIDIA datasheets (SXM parts): bf16 tensor-core peak without sparsity (half the "with sparsity" figure),
     # memory size and bandwidth, SM count and boost clock; architecture whitepapers for FP32 cores per SM and
     # L2 size; the CUDA guide for per-SM and per-block limits. Memory sizes are the nominal "80 GB" / "141 GB"
-    # read as GiB; a process gets a little less (the driver's and CUDA context's share).
-    "h100": _Chip("gpu", "NVIDIA H100 80GB HBM3", 80 * GIB, 989.4e12, 3.35e12, (
+    # read as GiB; a process gets a little less (the driver's and CUDA context's share). NVLink: the datasheets'
+    # total (both directions) per GPU, of which half is what a GPU receives.
+    "h100": _Chip("gpu", "NVIDIA H100 80GB HBM3", 80 * GIB, 989.4e12, 3.35e12, 900e9 / 2, (
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 1,979 TFLOPS bf16 with sparsity, 80 GB, 3.35 TB/s, "
-        "132 SMs)", "NVIDIA H100 Tensor Core GPU Architecture whitepaper (128 FP32 cores per SM, 50 MB L2, "
-        "1.98 GHz max boost)", _CUDA_GUIDE + ": compute capability 9.0, 228 KiB per SM, 227 KiB per block"),
-        gpu={"major": 9, "minor": 0, "core_count": 132, "fpus_per_core": 128, "clock_rate_ghz": 1.98,
-             "shared_memory_per_core": 228 * 1024, "shared_memory_per_block_optin": 227 * 1024,
-             "l2_cache_size": 50 * 2**20}),
-    "h200": _Chip("gpu", "NVIDIA H200", 141 * GIB, 989.4e12, 4.8e12, (
-        "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: 1,979 TFLOPS bf16 with sparsity, 141 GB HBM3e, "
-        "4.8 TB/s)", "the H100's Hopper die (GH100: 132 SMs, 50 MB L2, 1.98 GHz), per the H100 whitepaper",
+        "NVLink 900 GB/s, 132 SMs)",
+        "NVIDIA H100 Tensor Core GPU Architecture whitepaper (128 FP32 cores per SM, 50 MB L2, 1.98 GHz max boost)",
         _CUDA_GUIDE + ": compute capability 9.0, 228 KiB per SM, 227 KiB per block"),
         gpu={"major": 9, "minor": 0, "core_count": 132, "fpus_per_core": 128, "clock_rate_ghz": 1.98,
              "shared_memory_per_core": 228 * 1024, "shared_memory_per_block_optin": 227 * 1024,
              "l2_cache_size": 50 * 2**20}),
-    "a100": _Chip("gpu", "NVIDIA A100-SXM4-80GB", 80 * GIB, 312e12, 2039e9, (
-        "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: 312 TFLOPS bf16 dense, 80 GB HBM2e, 2,039 GB/s)",
+    "h200": _Chip("gpu", "NVIDIA H200", 141 * GIB, 989.4e12, 4.8e12, 900e9 / 2, (
+        "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: 1,979 TFLOPS bf16 with sparsity, 141 GB HBM3e, "
+        "4.8 TB/s, NVLink 900 GB/s)",
+        "the H100's Hopper die (GH100: 132 SMs, 50 MB L2, 1.98 GHz), per the H100 whitepaper",
+        _CUDA_GUIDE + ": compute capability 9.0, 228 KiB per SM, 227 KiB per block"),
+        gpu={"major": 9, "minor": 0, "core_count": 132, "fpus_per_core": 128, "clock_rate_ghz": 1.98,
+             "shared_memory_per_core": 228 * 1024, "shared_memory_per_block_optin": 227 * 1024,
+             "l2_cache_size": 50 * 2**20}),
+    "a100": _Chip("gpu", "NVIDIA A100-SXM4-80GB", 80 * GIB, 312e12, 2039e9, 600e9 / 2, (
+        "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: 312 TFLOPS bf16 dense, 80 GB HBM2e, 2,039 GB/s, "
+        "NVLink 600 GB/s)",
         "NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs, 64 FP32 cores per SM, 40 MB L2, "
         "1.41 GHz boost)", _CUDA_GUIDE + ": compute capability 8.0, 164 KiB per SM, 163 KiB per block"),
         gpu={"major": 8, "minor": 0, "core_count": 108, "fpus_per_core": 64, "clock_rate_ghz": 1.41,
@@ -111,7 +126,8 @@ _CUDA_RUNTIME, _CUDNN = (13, 0, 0), (9, 0, 0)
 class TargetInfo:
     """A named target: how many devices of which chip, and the chip's published per-device figures.
 
-    hbm_bytes, peak_bf16_flops (dense FLOP/s) and hbm_bandwidth (bytes/s) are per device (None for CPU);
+    hbm_bytes, peak_bf16_flops (dense FLOP/s), hbm_bandwidth and link_bandwidth (bytes/s; link: what a device
+    receives over the chip's inter-chip links, ICI or NVLink, in one direction) are per device (None for CPU);
     vmem_bytes is the VMEM a TPU kernel may use (measured with the compiler: kernels.backend.TPU_VMEM_BYTES);
     shared_memory_per_block the GPU's opt-in limit per thread block (default 48 KiB without opting in).
     """
@@ -125,6 +141,7 @@ class TargetInfo:
     hbm_bytes: int | None
     peak_bf16_flops: float | None
     hbm_bandwidth: float | None
+    link_bandwidth: float | None
     vmem_bytes: int | None
     shared_memory_per_block: int | None
     venv: str | None  # the virtualenv whose compiler this target needs (None: any)
@@ -177,17 +194,64 @@ def target_info(target: str) -> TargetInfo:
     chip, topology = _split(target)
     if chip == "cpu":
         n = _count(target, topology, "x")
-        return TargetInfo(target, chip, "cpu", topology, n, "cpu", None, None, None, None, None, None, ())
+        return TargetInfo(target, chip, "cpu", topology, n, "cpu", None, None, None, None, None, None, None, ())
     spec = _CHIPS[chip]
     if spec.platform == "tpu":
         n = _count(target, topology, "x") * spec.devices_per_chip
-        return TargetInfo(target, chip, "tpu", topology, n, spec.device_kind, spec.hbm_bytes // spec.devices_per_chip,
-                          spec.peak_bf16_flops / spec.devices_per_chip, spec.hbm_bandwidth / spec.devices_per_chip,
+        share = spec.devices_per_chip
+        return TargetInfo(target, chip, "tpu", topology, n, spec.device_kind, spec.hbm_bytes // share,
+                          spec.peak_bf16_flops / share, spec.hbm_bandwidth / share, spec.link_bandwidth / share,
                           TPU_VMEM_BYTES[spec.device_kind], None, _VENVS["tpu"][2], spec.sources)
     n = _count(target, topology, "x")
     return TargetInfo(target, chip, "gpu", topology, n, spec.device_kind, spec.hbm_bytes, spec.peak_bf16_flops,
-                      spec.hbm_bandwidth, None, int(spec.gpu["shared_memory_per_block_optin"]), _VENVS["gpu"][2],
-                      spec.sources)
+                      spec.hbm_bandwidth, spec.link_bandwidth, None, int(spec.gpu["shared_memory_per_block_optin"]),
+                      _VENVS["gpu"][2], spec.sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A step's time on one chip by the roofline, in seconds per device, and its parts.
+
+    compute = flops / peak bf16 FLOP/s; memory = HBM bytes / HBM bandwidth; collective = collective bytes / link
+    bandwidth; seconds = max(compute, memory) + collective: compute overlaps HBM traffic fully, collectives overlap
+    neither (an upper bound on their share; with full overlap the time would be the largest of the three).
+    """
+
+    compute: float
+    memory: float
+    collective: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute, self.memory) + self.collective
+
+    @property
+    def bound(self) -> str:
+        """"compute" or "memory": the larger of the two overlapped terms (ties: compute)."""
+        return "compute" if self.compute >= self.memory else "memory"
+
+
+def roofline(flops: float, hbm_bytes: float, collective_bytes: float, info: TargetInfo | str) -> Roofline:
+    """The roofline time of a step costing `flops`, `hbm_bytes` and `collective_bytes` per device (e.g. the fields
+    of `logra_jax.hlo_cost.HloCost`) on `info`'s chip (a TargetInfo or a target name): see `Roofline`.
+
+    Raises:
+      ValueError: a CPU target (no published figures), or a negative cost.
+    """
+    info = target_info(info) if isinstance(info, str) else info
+    if info.peak_bf16_flops is None or info.hbm_bandwidth is None or info.link_bandwidth is None:
+        raise ValueError(f"roofline: target {info.target!r} has no published FLOP/s and bandwidths (a CPU target); "
+                         f"use a chip: {', '.join(t for t in TARGETS if not t.startswith('cpu'))}")
+    if min(flops, hbm_bytes, collective_bytes) < 0:
+        raise ValueError(f"roofline: costs must be >= 0, got flops={flops}, hbm_bytes={hbm_bytes}, "
+                         f"collective_bytes={collective_bytes}")
+    return Roofline(flops / info.peak_bf16_flops, hbm_bytes / info.hbm_bandwidth,
+                    collective_bytes / info.link_bandwidth)
+
+
+def roofline_seconds(flops: float, hbm_bytes: float, collective_bytes: float, info: TargetInfo | str) -> float:
+    """`roofline(...).seconds`: max(flops / peak, HBM bytes / bandwidth) + collective bytes / link bandwidth."""
+    return roofline(flops, hbm_bytes, collective_bytes, info).seconds
 
 
 def gpu_target_config(chip: str) -> str:
@@ -255,6 +319,19 @@ def devices(target: str) -> list[jax.Device]:
     return list(_compile_only_devices(target))
 
 
+def accelerator_type(target: str) -> str:
+    """The Cloud TPU accelerator type of a TPU target, e.g. "v5e:2x4" → "v5litepod-8", "v5p:2x2x1" → "v5p-8".
+
+    Raises:
+      ValueError: a malformed or non-TPU target.
+    """
+    info = target_info(target)
+    if info.platform != "tpu":
+        raise ValueError(f"accelerator_type: {target!r} is not a TPU target")
+    return _ACCELERATOR_TYPE[info.chip].format(cores=info.num_devices * 2 // _CHIPS[info.chip].devices_per_chip,
+                                               chips=info.num_devices // _CHIPS[info.chip].devices_per_chip)
+
+
 @functools.cache
 def _compile_only_devices(target: str) -> tuple[jax.Device, ...]:
     """One set of device objects per target: traces cached for a mesh of them stay valid for the next mesh."""
@@ -268,8 +345,8 @@ def _compile_only_devices(target: str) -> tuple[jax.Device, ...]:
 
     if info.platform == "tpu":
         # Without these libtpu probes for the TPU VM's metadata and workers (and logs an error); nothing runs here.
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", _ACCELERATOR_TYPE[info.chip].format(
-            cores=info.num_devices * 2 // _CHIPS[info.chip].devices_per_chip, chips=info.num_devices))
+        # Each target names its own accelerator type (not the first TPU target's of this process).
+        os.environ["TPU_ACCELERATOR_TYPE"] = accelerator_type(target)
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only processes share no chip
         found = topologies.get_topology_desc(topology_name=target, platform="tpu").devices
@@ -284,16 +361,8 @@ def _compile_only_devices(target: str) -> tuple[jax.Device, ...]:
 
 
 def mesh(target: str, config: shd.MeshConfig | None = None) -> jax.sharding.Mesh:
-    """The (data, fsdp, tensor) mesh of `config` (default: FSDP over all) over `devices(target)`.
-
-    `sharding.make_mesh` orders the devices by the physical topology; for TPU v4, whose compile-only devices are
-    single TensorCores (JAX's topology-aware ordering wants one device per chip), they are laid out in order.
+    """The (data, fsdp, tensor) mesh of `config` (default: FSDP over all) over `devices(target)`: `sharding.make_mesh`,
+    the job's own mesh builder (`phases.job_mesh`), so that what is compiled here is laid out as the job lays it.
     """
-    config = config or shd.MeshConfig()
-    found = devices(target)
-    if target_info(target).platform == "tpu" and _CHIPS[target_info(target).chip].devices_per_chip > 1:
-        sizes = config.axis_sizes(len(found))
-        return jax.sharding.Mesh(np.asarray(found, dtype=object).reshape(sizes), shd.MESH_AXES,
-                                 axis_types=(jax.sharding.AxisType.Auto,) * len(shd.MESH_AXES))
-    return shd.make_mesh(config, found)
+    return shd.make_mesh(config or shd.MeshConfig(), devices(target))
 

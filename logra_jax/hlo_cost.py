@@ -14,12 +14,23 @@ the compiled module instead:
   (a Triton Pallas kernel on GPU) adds none and is listed in `uncounted_custom_calls`;
 - elementwise arithmetic 1 flop per output element, reductions 1 per input element, transcendentals counted
   apart (as XLA does);
-- bytes accessed: what each top-level instruction reads and writes (a fusion: its operands and results, not its
-  insides); a slice taken inside a fusion reads only the slice, and a dynamic-update-slice in place writes only
-  the update, so a loop over stacked [L, ...] weights reads each layer once, not L times per iteration;
-- collective bytes (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute): the bytes each device
-  receives or sends per collective, counted apart: the roofline's memory term does not include them.
+- HBM bytes accessed: what each top-level instruction reads and writes in device memory (a fusion: its operands
+  and results, not its insides). A fusion operand read only through slices (dynamic-slice, slice, gather; through
+  bitcasts and nested fusions, as libtpu nests the slice of a loop-carried weight stack inside the matmul's
+  fusion) reads only the slices; a dynamic-update-slice that a fusion returns in place writes only its update and
+  does not read the buffer; so a loop over stacked [L, ...] weights reads each layer once, not L times per
+  iteration. Arrays whose layout names another memory space (`S(1)`: the TPU's VMEM, where libtpu's memory-space
+  assignment keeps small arrays; `S(5)`: host memory) are not HBM traffic; async copies and slices (`copy-start`,
+  `slice-start`) count their HBM side once;
+- collective bytes (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, in every form: the
+  synchronous op, XLA:GPU's `*-start` / `*-done` pairs, `async-start` wrappers, and libtpu's async collectives, whose
+  start, continuation and done fusions each repeat the collective under one channel id): the bytes each device
+  receives under ring algorithms over a group of n: all-gather its result minus its operand, reduce-scatter its
+  operand minus its result, all-reduce 2·(n−1)/n × its operand, all-to-all (n−1)/n × its operand,
+  collective-permute its operand; each collective counted once (a `*-done` is free). They are counted apart: the
+  roofline's memory term does not include them (`logra_jax.aot.roofline`).
 
+Every dtype XLA prints is sized from its name (`f8e4m3fn` 1 byte, `f4e2m1fn` ½, `s2` ¼ ...), fp8 included.
 The module is per device (SPMD-partitioned), so the figures are per device.
 
 Example:
@@ -40,10 +51,10 @@ import json
 import math
 import re
 
-_DTYPE_BYTES = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16, "token": 0}
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_FIXED_BYTES = {"pred": 1.0, "token": 0.0, "bf16": 2.0, "tf32": 4.0, "c64": 8.0, "c128": 16.0}
+_SIZED = re.compile(r"[suf](\d+)(?:e\d+m\d+[a-z]*)?")  # s4, u8, f16, f8e4m3fn, f8e5m2fnuz, f8e8m0fnu, f4e2m1fn ...
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^{}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP = re.compile(r"\s*([a-z][\w\-]*)\(")
@@ -55,18 +66,22 @@ ELEMENTWISE = frozenset({
 TRANSCENDENTAL = frozenset({
     "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sqrt", "rsqrt", "cbrt",
     "power", "sine", "cosine", "tan", "erf"})
+# the collectives, by their synchronous names; `<name>-start` is the same collective begun asynchronously
 COLLECTIVES = frozenset({"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-                         "all-gather-start", "all-reduce-start", "collective-permute-start", "ragged-all-to-all"})
-# instructions that move no data of their own (their callees, if any, are counted)
+                         "ragged-all-to-all", "collective-broadcast"})
+# instructions that move no data of their own (their callees, if any, are counted); every `*-done` is free too
 _FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
-                   "after-all", "partition-id", "replica-id", "opt-barrier", "all-gather-done", "all-reduce-done",
-                   "collective-permute-done", "async-done", "async-update", "copy-done", "send-done", "recv-done",
-                   "add-dependency", "domain", "iota"})
+                   "after-all", "partition-id", "replica-id", "opt-barrier", "async-update", "add-dependency",
+                   "domain", "iota"})
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
 # custom calls that run a kernel of their own (their flops are unknown unless declared); every other target
-# (AllocateBuffer, Sharding, the TPU's AsyncCollectiveStart, ...) moves or annotates data
+# (the TPU's AsyncCollectiveStart, ...) moves or annotates data
 _KERNEL_CALLS = frozenset({"tpu_custom_call", "__gpu$xla.gpu.triton", "triton_kernel_call"})
 _CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+# custom calls that neither read nor write device memory (a buffer's allocation, a sharding annotation)
+_NO_TRAFFIC_CALLS = frozenset({"AllocateBuffer", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
+# the custom call by which libtpu starts an async collective (fused with the collective it starts)
+_TPU_ASYNC_START = "AsyncCollectiveStart"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,28 +126,68 @@ class _Cost:
         self.uncounted += other.uncounted
 
 
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The (dtype, dims) of every array in a (possibly tuple) HLO shape."""
+def _dtype_bytes(dtype: str) -> float | None:
+    """Bytes per element of an HLO element type, from its name (None: not an array type, e.g. a layout token)."""
+    if dtype in _FIXED_BYTES:
+        return _FIXED_BYTES[dtype]
+    sized = _SIZED.fullmatch(dtype)
+    return int(sized.group(1)) / 8 if sized else None
+
+
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """(dtype, dims, memory space) of every array in a (possibly tuple) HLO shape; memory space 0 is HBM."""
     out = []
-    for dtype, dims in _ARRAY.findall(re.sub(r"\{[^{}]*\}", "", shape)):
-        if dtype not in _DTYPE_BYTES:
+    for dtype, dims, layout in _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape)):
+        if _dtype_bytes(dtype) is None:
             continue
-        out.append((dtype, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())))
+        sizes = tuple(int(re.sub(r"\D", "", d) or 0) for d in dims.split(",") if d.strip())  # "<=8": 8
+        space = _SPACE.search(layout or "")
+        out.append((dtype, sizes, int(space.group(1)) if space else 0))
     return out
 
 
 def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape (tuple shapes: the sum of their arrays).
+    """Bytes of an HLO shape (tuple shapes: the sum of their arrays), whatever memory they live in.
 
-    >>> shape_bytes("(f32[2,3]{1,0}, bf16[4]{0})")
-    32.0
+    >>> shape_bytes("(f32[2,3]{1,0}, bf16[4]{0}, f8e4m3fn[8]{0})")
+    40.0
     """
-    return float(sum(_DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in _arrays(shape)))
+    return float(sum(_dtype_bytes(dtype) * math.prod(dims) for dtype, dims, _ in _arrays(shape)))
+
+
+def _hbm_bytes(shape: str) -> float:
+    """Bytes of the arrays of `shape` that live in device memory (memory space 0)."""
+    return float(sum(_dtype_bytes(dtype) * math.prod(dims) for dtype, dims, space in _arrays(shape) if space == 0))
+
+
+def _in_hbm(shape: str) -> bool:
+    """Whether the (first) array of `shape` lives in device memory."""
+    arrays = _arrays(shape)
+    return not arrays or arrays[0][2] == 0
 
 
 def _elements(shape: str) -> int:
     arrays = _arrays(shape)
     return math.prod(arrays[0][1]) if arrays else 0
+
+
+def _logical(shape: str) -> tuple:
+    """A shape without its layouts: (dtype, dims) of each array (for comparing a collective's repeats)."""
+    return tuple((dtype, dims) for dtype, dims, _ in _arrays(shape))
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape (`shape` itself, alone, when it is not a tuple)."""
+    shape = re.sub(r"/\*.*?\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    out, start = [], 1
+    for i, depth in _depths(shape):
+        if (shape[i] == "," and depth == 1) or (i == len(shape) - 1 and depth == 0):
+            if shape[start:i].strip():
+                out.append(shape[start:i].strip())
+            start = i + 1
+    return out
 
 
 def _depths(text: str, start: int = 0):
@@ -292,7 +347,19 @@ class _Module:
     def __init__(self, text: str):
         self.computations, self.roots, self.entry = _parse(text)
         self.shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in self.computations.items()}
+        self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.computations.items()}
         self.memo: dict[tuple[str, bool], _Cost] = {}
+        self.fusion_memo: dict[str, tuple[dict[int, float | None], dict[int, tuple[int, float]]]] = {}
+        header = text[:text.find("\n")] if "\n" in text else text
+        partitions, replicas = (re.search(key + r"=(\d+)", header) for key in ("num_partitions", "replica_count"))
+        # the devices of a collective whose replica_groups are empty ({}: every device)
+        self.devices = (int(partitions.group(1)) if partitions else 1) * (int(replicas.group(1)) if replicas else 1)
+        # libtpu's async collectives: the collective is repeated in the fusion that starts it (consumed by an
+        # AsyncCollectiveStart custom call), in continuation fusions (possibly inside an inner loop) and in the done
+        # fusion; it is counted where it starts
+        self.async_started = {self.collective_key(c, o) for c, instrs in self.computations.items() for i in instrs
+                              if i.op == "custom-call" and _attr(i.attrs, "custom_call_target") == _TPU_ASYNC_START
+                              for o in i.operands if o in self.by_name[c] and self.by_name[c][o].op in COLLECTIVES}
 
     def operand_shape(self, comp: str, name: str) -> str:
         return self.shapes[comp].get(name, "")
@@ -396,53 +463,176 @@ class _Module:
         cost.flops = cost.matmul
         return cost
 
-    def fusion_bytes(self, comp: str, instr: _Instr, callee: str) -> float:
-        """What a fusion reads and writes: sliced parameters read their slices, an in-place update writes its
-        update."""
+    def through_bitcasts(self, comp: str, name: str) -> str:
+        """The instruction `name` is a bitcast (or a chain of bitcasts) of."""
+        instr = self.by_name[comp].get(name)
+        while instr is not None and instr.op == "bitcast" and instr.operands:
+            name = instr.operands[0]
+            instr = self.by_name[comp].get(name)
+        return name
+
+    def fusion_summary(self, callee: str) -> tuple[dict[int, float | None], dict[int, tuple[int, float]]]:
+        """What fused computation `callee` reads of each parameter and which outputs it updates in place.
+
+        Returns ({parameter index: bytes read, or None when read whole}, {output index: (parameter index, update
+        bytes)}). A parameter is read in part when every use (through bitcasts) is the sliced operand of a slice,
+        dynamic-slice or gather (its slices' bytes), the operand of a nested fusion that reads it in part (that
+        fusion's bytes), or the buffer of a dynamic-update-slice the fusion returns (in place: nothing read). An
+        output is updated in place when it is (through bitcasts) a dynamic-update-slice of a parameter, or a
+        nested fusion's in-place output whose buffer is a parameter: it writes only the update.
+        """
+        if callee in self.fusion_memo:
+            return self.fusion_memo[callee]
         body = self.computations[callee]
-        params = {i.name: int(i.operands[0]) for i in body if i.op == "parameter"}
+        by_name = self.by_name[callee]
+        params = {i.name: int(i.operands[0]) for i in body if i.op == "parameter" and i.operands and
+                  i.operands[0].isdigit()}
         users: dict[str, list[_Instr]] = {}
         for i in body:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
+        root = by_name.get(self.roots.get(callee, ""))
+        outputs = root.operands if root is not None and root.op == "tuple" else [root.name] if root else []
+        in_place: dict[int, tuple[int, float]] = {}
+        in_place_users: set[tuple[str, str]] = set()  # (instruction, the name it reads) that update in place
+        for k, out in enumerate(outputs):
+            node = by_name.get(self.through_bitcasts(callee, out))
+            if node is None or not node.operands:
+                continue
+            if node.op == "dynamic-update-slice" and len(node.operands) > 1:
+                buffer = self.through_bitcasts(callee, node.operands[0])
+                if buffer in params:
+                    in_place[k] = (params[buffer], shape_bytes(self.operand_shape(callee, node.operands[1])))
+                    in_place_users.add((node.name, node.operands[0]))
+            elif node.op == "fusion" and _callees(node.attrs, "calls"):
+                (nested,) = _callees(node.attrs, "calls")[:1]
+                inner = self.fusion_summary(nested)[1].get(0) if nested in self.computations else None
+                if inner is not None and inner[0] < len(node.operands):
+                    buffer = self.through_bitcasts(callee, node.operands[inner[0]])
+                    if buffer in params:
+                        in_place[k] = (params[buffer], inner[1])
+                        in_place_users.add((node.name, node.operands[inner[0]]))
 
-        def through_bitcasts(name: str) -> list[tuple[_Instr, str]]:
+        def uses(name: str) -> list[tuple[_Instr, str]]:
             """(user, the name it reads): the non-bitcast users of `name` and of its bitcasts."""
             out = []
             for user in users.get(name, []):
-                out += through_bitcasts(user.name) if user.op == "bitcast" else [(user, name)]
+                out += uses(user.name) if user.op == "bitcast" else [(user, name)]
             return out
 
-        by_name = {i.name: i for i in body}
-        root = by_name.get(self.roots.get(callee, ""))
-        in_place, written = None, shape_bytes(instr.shape)
-        node = root
-        while node is not None and node.op == "bitcast":
-            node = by_name.get(node.operands[0])
-        if node is not None and node.op == "dynamic-update-slice":
-            base = node.operands[0]
-            while base not in params:
-                prev = by_name.get(base)
-                if prev is None or prev.op != "bitcast":
-                    break
-                base = prev.operands[0]
-            if base in params:
-                in_place = base
-                written = shape_bytes(self.shapes[callee][node.operands[1]])
-        read = 0.0
+        reads: dict[int, float | None] = {}
         for name, index in params.items():
-            if name == in_place:
-                continue
-            consumers = through_bitcasts(name)
-            if consumers and all(c.op in _SLICES and c.operands[0] == via for c, via in consumers):
-                read += sum(shape_bytes(c.shape) for c, _ in consumers)
-            elif index < len(instr.operands):
-                read += shape_bytes(self.operand_shape(comp, instr.operands[index]))
-        return read + written
+            total: float | None = 0.0
+            for user, via in uses(name):
+                if (user.name, via) in in_place_users and user.operands.count(via) == 1:
+                    continue
+                if user.op in _SLICES and user.operands[0] == via and user.operands.count(via) == 1:
+                    total += shape_bytes(user.shape)
+                    continue
+                nested = _callees(user.attrs, "calls") if user.op == "fusion" else []
+                if nested and nested[0] in self.computations:
+                    part = self.fusion_summary(nested[0])[0]
+                    positions = [k for k, o in enumerate(user.operands) if o == via]
+                    if all(part.get(k) is not None for k in positions):
+                        total += sum(part[k] for k in positions)
+                        continue
+                total = None
+                break
+            reads[index] = total
+        self.fusion_memo[callee] = (reads, in_place)
+        return reads, in_place
+
+    def fusion_bytes(self, comp: str, instr: _Instr, callee: str) -> float:
+        """The HBM bytes a fusion reads and writes: parameters read in part count their slices, outputs updated in
+        place their updates; operands and outputs outside HBM count nothing."""
+        reads, in_place = self.fusion_summary(callee)
+        total = 0.0
+        for index, operand in enumerate(instr.operands):
+            shape = self.operand_shape(comp, operand)
+            part = reads.get(index)
+            total += _hbm_bytes(shape) if part is None else part * _in_hbm(shape)
+        outputs = _tuple_elements(instr.shape) if in_place else [instr.shape]
+        for k, out in enumerate(outputs):
+            total += in_place[k][1] * _in_hbm(out) if k in in_place else _hbm_bytes(out)
+        return total
+
+    def group_size(self, instr: _Instr) -> int | None:
+        """Devices in each of a collective's replica groups: `{{0,1},{2,3}}`, `[2,4]<=[8]` (iota: the last
+        dimension), `mesh['a'=2,'b'=4] {'b'}` (the named axes' product) or `{}` (every device of the module)."""
+        text = instr.attrs
+        at = text.find("replica_groups=")
+        if at < 0:
+            return None
+        value = text[at + len("replica_groups="):].lstrip()
+        mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", value)
+        if mesh:
+            sizes = {k: int(v) for k, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh.group(1))}
+            named = re.findall(r"'?([\w.\-]+)'?", mesh.group(2))
+            return math.prod(sizes.get(a, 1) for a in named) if named and all(a in sizes for a in named) else None
+        if value.startswith("["):
+            dims = _dims(value[:value.find("]") + 1].strip("[]"))
+            return dims[-1] if dims else None
+        if value.startswith("{"):
+            groups = re.findall(r"\{([\d,\s]*)\}", value[:_matching(value, 0)])
+            first = [g for g in groups if g.strip()]
+            return len(_dims(first[0])) if first else (self.devices if self.devices > 1 else None)
+        return None
+
+    def collective_bytes(self, comp: str, instr: _Instr, op: str) -> float:
+        """Bytes one device receives in collective `op` (the synchronous name of `instr`, which may be a
+        `*-start`) under ring algorithms over its group of n; n unknown counts (n − 1)/n as 1."""
+        started = instr.op.endswith("-start")
+        operands = instr.operands[:1] if op in ("collective-permute", "ragged-all-to-all") else instr.operands
+        sent = sum(shape_bytes(self.operand_shape(comp, o)) for o in operands)
+        result = shape_bytes(instr.shape)
+        if started and instr.shape.lstrip().startswith("("):  # (operands, result[, context]) of an async start
+            elements = _tuple_elements(instr.shape)
+            result = shape_bytes(elements[1]) if len(elements) > 1 else result
+        n = self.group_size(instr)
+        share = (n - 1) / n if n else 1.0
+        if op == "all-gather":
+            return max(result - sent, 0.0)
+        if op == "reduce-scatter":
+            return max(sent - result, 0.0)
+        if op == "all-reduce":
+            return 2.0 * share * sent
+        if op in ("all-to-all", "ragged-all-to-all", "collective-broadcast"):
+            return share * sent
+        return sent if _attr(instr.attrs, "source_target_pairs") not in ("{}", "") else 0.0
+
+    def collective_key(self, comp: str, name: str) -> tuple:
+        """What the repeats of one libtpu async collective share: op, channel, chain and logical shape."""
+        instr = self.by_name[comp][name]
+        return (instr.op, _attr(instr.attrs, "channel_id"), _attr(_attr(instr.attrs, "frontend_attributes") or "",
+                                                                   "chain_id"), _logical(instr.shape))
+
+    def collective(self, comp: str, instr: _Instr, op: str) -> _Cost:
+        """A collective's bytes, once: nothing for the repeats of a libtpu async collective outside the fusion
+        that starts it."""
+        cost = _Cost()
+        if op == instr.op and self.collective_key(comp, instr.name) in self.async_started:
+            started = any(instr.name in i.operands and _attr(i.attrs, "custom_call_target") == _TPU_ASYNC_START
+                          for i in self.computations[comp] if i.op == "custom-call")
+            if not started:
+                return cost
+        cost.coll = self.collective_bytes(comp, instr, op)
+        return cost
+
+    def op_bytes(self, comp: str, op: str, shape: str, operands: list[str]) -> float:
+        """HBM bytes of one top-level instruction `op` with result `shape`: slices read what they take, an
+        in-place update writes its update; arrays outside HBM count nothing."""
+        operand_shapes = [self.operand_shape(comp, o) for o in operands]
+        if op in _SLICES and operand_shapes:
+            return shape_bytes(shape) * _in_hbm(operand_shapes[0]) + _hbm_bytes(shape) + \
+                sum(_hbm_bytes(s) for s in operand_shapes[1:] if op == "gather")
+        if op == "dynamic-update-slice" and len(operand_shapes) > 1:
+            return _hbm_bytes(operand_shapes[1]) + shape_bytes(operand_shapes[1]) * _in_hbm(operand_shapes[0])
+        return _hbm_bytes(shape) + sum(_hbm_bytes(s) for s in operand_shapes)
 
     def instr_cost(self, comp: str, instr: _Instr, fused: bool) -> _Cost:
         cost = _Cost()
         op = instr.op
+        base = op[:-len("-start")] if op.endswith("-start") else op
         if op == "while":
             trip = _json(instr.attrs).get("known_trip_count", {}).get("n")
             if trip is None:
@@ -469,12 +659,17 @@ class _Module:
                 if not fused:
                     cost.bytes += self.fusion_bytes(comp, instr, callee)
             return cost
-        if op in ("call", "async-start") or (op not in COLLECTIVES and _attr(instr.attrs, "calls")):
+        if base in COLLECTIVES:
+            return self.collective(comp, instr, base)
+        if op in ("call", "async-start") or _attr(instr.attrs, "calls"):
             for callee in _callees(instr.attrs, "to_apply") + _callees(instr.attrs, "calls"):
-                cost.add(self.cost(callee, fused))
+                if callee in self.computations:
+                    cost.add(self.cost(callee, fused))
             return cost
         if op == "custom-call":
             cost.add(self.custom_call(comp, instr))
+            if _attr(instr.attrs, "custom_call_target") in _NO_TRAFFIC_CALLS:
+                return cost
         elif op in ("dot", "convolution"):
             cost.matmul = self.matmul_flops(comp, instr)
             cost.flops = cost.matmul
@@ -484,21 +679,16 @@ class _Module:
             cost.trans = float(_elements(instr.shape))
         elif op in ("reduce", "reduce-window", "scatter", "select-and-scatter"):
             cost.flops = float(_elements(self.operand_shape(comp, instr.operands[0]))) if instr.operands else 0.0
-        if op in COLLECTIVES:
-            moved = shape_bytes(instr.shape)
-            if op == "reduce-scatter" and instr.operands:
-                moved = shape_bytes(self.operand_shape(comp, instr.operands[0]))
-            cost.coll = moved
+        if fused or op in _FREE or op.endswith("-done"):
             return cost
-        if fused or op in _FREE:
-            return cost
-        result = shape_bytes(instr.shape)
-        if op in ("dynamic-slice", "slice"):
-            cost.bytes = 2 * result
-        elif op == "dynamic-update-slice":
-            cost.bytes = 2 * shape_bytes(self.operand_shape(comp, instr.operands[1]))
+        if op == "copy-start":  # (destination, source, context): the copy reads its source, writes its destination
+            cost.bytes = sum(_hbm_bytes(self.operand_shape(comp, o)) for o in instr.operands) + \
+                _hbm_bytes(_tuple_elements(instr.shape)[0])
+        elif op != base:  # an async op (slice-start, ...): ((operands), result, context)
+            elements = _tuple_elements(instr.shape)
+            cost.bytes = self.op_bytes(comp, base, elements[1] if len(elements) > 1 else instr.shape, instr.operands)
         else:
-            cost.bytes = result + sum(shape_bytes(self.operand_shape(comp, o)) for o in instr.operands)
+            cost.bytes = self.op_bytes(comp, op, instr.shape, instr.operands)
         return cost
 
 

@@ -28,6 +28,20 @@ from logra_jax.run_config import OptimizerSection
 from logra_jax.train_step import TrainState, make_train_step, step_shardings
 
 
+def options_for(platform: str, compiler_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """`compiler_options` for a compile on `platform`: off CPU, without the XLA:CPU options of
+    `sharding.FAST_CPU_COMPILE` (found by name, in any mapping); None when nothing is left.
+
+    >>> options_for("tpu", {**shd.FAST_CPU_COMPILE, "xla_dump_to": "/tmp/d"})
+    {'xla_dump_to': '/tmp/d'}
+    """
+    if not compiler_options:
+        return None
+    if platform == "cpu":
+        return dict(compiler_options)
+    return {k: v for k, v in compiler_options.items() if k not in shd.FAST_CPU_COMPILE} or None
+
+
 def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]], abstract_batch: Any,
                 mesh: jax.sharding.Mesh, rules: shd.LogicalRules = shd.DEFAULT_RULES, *,
                 compiler_options: Mapping[str, Any] | None = None, with_cost: bool = False) -> dict[str, int]:
@@ -48,8 +62,8 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       init_fn: () -> (TrainState, rest); only traced (`jax.eval_shape`).
       abstract_batch: the global batch as ShapeDtypeStructs.
       mesh, rules: the mesh and logical rules the step is sharded with.
-      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`; XLA:CPU options are dropped
-        when the mesh is not CPU).
+      compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`; its XLA:CPU options, found by
+        name in any mapping, are dropped when the mesh is not CPU; other options are kept).
       with_cost: also return the step's cost per device from its compiled HLO, every loop iteration counted
         (`logra_jax.hlo_cost`): "flops", "matmul_flops", "bytes_accessed", "collective_bytes",
         "unknown_trip_counts" and "uncounted_custom_calls" (how many loops counted once, how many kernels
@@ -69,8 +83,7 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
       >>> mem["total"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"], mem["argument"] >= 1024
       (True, True)
     """
-    if compiler_options is shd.FAST_CPU_COMPILE and mesh.devices.flat[0].platform != "cpu":
-        compiler_options = None
+    compiler_options = options_for(mesh.devices.flat[0].platform, compiler_options)
     abstract_state, abstract_rest = jax.eval_shape(init_fn)
     state_sh, rest_sh = step_shardings(abstract_state, abstract_rest, mesh, rules)
     batch_sh = shd.batch_shardings(abstract_batch, mesh, rules)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -104,6 +105,9 @@ class MeshConfig:
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The (data, fsdp, tensor) mesh over `devices` (default: all global devices) with Auto axis types.
 
+    Devices are ordered by the physical topology (`jax.make_mesh`), except devices that are single TensorCores of
+    a multi-core chip (TPU v4's compile-only devices, `logra_jax.aot`), which are laid out in the order given.
+
     Auto (not Explicit, `jax.make_mesh`'s default in this JAX) keeps GSPMD's sharding propagation: shardings of
     intermediates are inferred from inputs, outputs and `constrain` calls. In a multi-process run
     (logra_jax.multihost) the default devices span every process.
@@ -125,6 +129,11 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     """
     devices = jax.devices() if devices is None else list(devices)
     sizes = config.axis_sizes(len(devices))
+    if any(getattr(d, "core_on_chip", 0) for d in devices):
+        # one device per TensorCore (TPU v4's compile-only topology): JAX's topology-aware ordering wants one
+        # device per chip, so they are laid out in the order given
+        return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES,
+                    axis_types=(AxisType.Auto,) * len(MESH_AXES))
     return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 

@@ -286,12 +286,18 @@ def target_tables(folder: Path) -> str:
     return "\n".join(out)
 
 
+def _roofline(cell: dict[str, Any]) -> aot.Roofline:
+    return aot.roofline(cell["flops"], cell["bytes_accessed"], cell["collective_bytes"], cell["target"])
+
+
 def cost_table(folder: Path) -> str:
-    """Markdown: per-device flops and bytes of each compiled step with every loop iteration counted
-    (`logra_jax.hlo_cost`), the compiler's own flop count beside it (loop bodies once), and the roofline
-    max(F / peak bf16 FLOP/s, B / HBM bandwidth), with its ratio to AdamW and to AdamW on LoGRA's targets."""
-    lines = ["| target | model @ devices | optimizer | impl | GFLOP | XLA's GFLOP (loops once) | GB accessed | "
-             "collective GB | compute ms | memory ms | roofline ms | ÷ adamw | ÷ adamw_targets |", "|---" * 13 + "|"]
+    """Markdown: per-device flops, HBM bytes and collective bytes of each compiled step with every loop iteration
+    counted (`logra_jax.hlo_cost`), the compiler's own flop count beside it (loop bodies once), and the roofline
+    (`aot.roofline`: max(F / peak bf16 FLOP/s, B / HBM bandwidth) + C / link bandwidth), with its ratio to AdamW
+    and to AdamW on LoGRA's targets."""
+    lines = ["| target | model @ devices | optimizer | impl | GFLOP | XLA's GFLOP (loops once) | HBM GB | "
+             "collective GB | compute ms | memory ms | collective ms | roofline ms | ÷ adamw | ÷ adamw_targets |",
+             "|---" * 14 + "|"]
     for rep in _target_reports(folder):
         for key, row in rep["cells"].items():
             times: dict[str, float] = {}
@@ -299,9 +305,8 @@ def cost_table(folder: Path) -> str:
                 for impl, cell in row.get(opt, {}).items():
                     if cell.get("matmul_flops") is None:  # a cell measured before the loop-aware count
                         continue
-                    info = aot.target_info(cell["target"])
-                    compute, memory = cell["flops"] / info.peak_bf16_flops, cell["bytes_accessed"] / info.hbm_bandwidth
-                    seconds = times[f"{opt}/{impl}"] = max(compute, memory)
+                    r = _roofline(cell)
+                    seconds = times[f"{opt}/{impl}"] = r.seconds
                     ratios = [f"{seconds / times[b]:.2f}" if b in times else "–"
                               for b in ("adamw/xla", "adamw_targets/xla")]
                     xla = "–" if cell.get("xla_flops") is None else f"{cell['xla_flops'] / 1e9:.0f}"
@@ -309,8 +314,8 @@ def cost_table(folder: Path) -> str:
                         "uncounted_custom_calls") else ""
                     lines.append(f"| {cell['target']} | {key} | {opt} | {impl} | "
                                  f"{cell['flops'] / 1e9:.0f}{uncounted} | {xla} | {cell['bytes_accessed'] / 1e9:.1f} | "
-                                 f"{cell['collective_bytes'] / 1e9:.2f} | "
-                                 f"{compute * 1e3:.1f} | {memory * 1e3:.1f} | {seconds * 1e3:.1f} | "
+                                 f"{cell['collective_bytes'] / 1e9:.2f} | {r.compute * 1e3:.1f} | "
+                                 f"{r.memory * 1e3:.1f} | {r.collective * 1e3:.1f} | {seconds * 1e3:.1f} | "
                                  + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
@@ -331,8 +336,7 @@ def step_ratio_table(folder: Path, per_device: tuple[int, ...] = (1, 8, PAPER_SE
             for opt in ("adamw_targets", "logra_sketch_native", "logra_sketch_native_kl"):
                 cell = row.get(opt, {}).get("xla", {})
                 if cell.get("matmul_flops") is not None:
-                    info = aot.target_info(cell["target"])
-                    times[opt] = max(cell["flops"] / info.peak_bf16_flops, cell["bytes_accessed"] / info.hbm_bandwidth)
+                    times[opt] = _roofline(cell).seconds
             if len(times) < 3:
                 continue
             probe = times["logra_sketch_native_kl"] - times["logra_sketch_native"]

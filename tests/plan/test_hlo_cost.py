@@ -71,12 +71,186 @@ def test_stacked_weights_are_read_once_per_layer_not_whole_each_iteration():
 
 
 def test_collective_bytes_on_a_sharded_program():
-    """An all-gather of an [64, 32] f32 array sharded over 8 devices moves the whole array into each device."""
+    """An all-gather of an [64, 32] f32 array sharded over 8 devices: each device receives the 7 shards it lacks."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
     rows, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
     compiled = jax.jit(lambda a: a * 2.0, in_shardings=rows, out_shardings=whole).lower(
         jax.ShapeDtypeStruct((64, 32), F32)).compile()
-    assert hlo_cost(compiled.as_text()).collective_bytes == 64 * 32 * 4
+    assert hlo_cost(compiled.as_text()).collective_bytes == 7 / 8 * 64 * 32 * 4
+
+
+# Every collective form on 4 devices, 128-byte buffers (f32[32]): XLA:GPU's start/done pairs (all-gather-start's
+# result is the tuple (operand, result), collective-permute-start's (operand, result), reduce-scatter-start's and
+# all-to-all-start's ((operands), result)), an async-start wrapper, and the replica-group spellings.
+_FORMS = """HloModule m, num_partitions=4
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%wrapped (w: f32[8]) -> f32[32] {
+  %w = f32[8]{0} parameter(0)
+  ROOT %g = f32[32]{0} all-gather(%w), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+ENTRY %main (a: f32[32], q: f32[8]) -> f32[32] {
+  %a = f32[32]{0} parameter(0)
+  %q = f32[8]{0} parameter(1)
+  %ag = (f32[8]{0}, f32[32]{0}) all-gather-start(%q), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %agd = f32[32]{0} all-gather-done(%ag)
+  %ar = f32[32]{0} all-reduce-start(%a), channel_id=2, replica_groups=mesh['x'=2,'y'=4] {'y'}, to_apply=%sum
+  %ard = f32[32]{0} all-reduce-done(%ar)
+  %rs = ((f32[32]{0}), f32[8]{0}) reduce-scatter-start(%a), channel_id=3, replica_groups={}, dimensions={0}, \
+to_apply=%sum
+  %rsd = f32[8]{0} reduce-scatter-done(%rs)
+  %aa = ((f32[32]{0}), f32[32]{0}) all-to-all-start(%a), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}
+  %aad = f32[32]{0} all-to-all-done(%aa)
+  %cp = (f32[32]{0}, f32[32]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%a), channel_id=5, \
+source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cpd = f32[32]{0} collective-permute-done(%cp)
+  %w0 = ((f32[8]{0}), f32[32]{0}, s32[]) async-start(%q), calls=%wrapped
+  %w1 = f32[32]{0} async-done(%w0)
+  ROOT %out = f32[32]{0} add(%agd, %ard)
+}
+""".replace("\\\n", "")
+
+
+def test_every_collective_form_counts_the_bytes_each_device_receives_once():
+    """Ring hand counts over 4 devices: all-gather 32 − 8 floats, all-reduce 2 · 3/4 · 32, reduce-scatter
+    32 − 8, all-to-all 3/4 · 32, collective-permute 32 — each once (a `*-done` is free), whatever the form of
+    its replica groups ({{...}}, iota [1,4]<=[4], mesh[...] {axes}, {} = the module's 4 partitions)."""
+    cost = hlo_cost(_FORMS)
+    per_form = {"all-gather": 24 * 4, "all-reduce": 48 * 4, "reduce-scatter": 24 * 4, "all-to-all": 24 * 4,
+                "collective-permute": 32 * 4, "async-start all-gather": 24 * 4}
+    assert cost.collective_bytes == sum(per_form.values())
+    assert cost.bytes_accessed == 3 * 32 * 4  # the add alone: collectives are not HBM traffic here
+
+
+# libtpu's async all-gather inside a loop (trimmed from a compiled FSDP step): the start fusion (the collective
+# consumed by an AsyncCollectiveStart custom call) and the done fusion in the outer body, continuation fusions in
+# an inner loop (3 trips); all repeat the all-gather under one channel and chain id. Counted once per outer trip.
+_TPU_ASYNC = """HloModule m, num_partitions=4
+
+%start_fusion (p0: bf16[128,1024]) -> (bf16[128,1024], bf16[512,1024], u32[]) {
+  %p0 = bf16[128,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %ag0 = bf16[512,1024]{1,0:T(8,128)(2,1)} all-gather(%p0), channel_id=100, replica_groups=mesh['a'=4,'b'=1] \
+{'a'}, dimensions={0}, frontend_attributes={chain_id="4"}
+  ROOT %st = (bf16[128,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[512,1024]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) \
+custom-call(%ag0), custom_call_target="AsyncCollectiveStart"
+}
+
+%continuation (c0: bf16[128,1024], c1: bf16[512,1024], c2: u32[]) -> (bf16[128,1024], bf16[512,1024], u32[]) {
+  %c0 = bf16[128,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %c1 = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  %c2 = u32[]{:S(2)} parameter(2)
+  %ag1 = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} all-gather(%c0), channel_id=100, replica_groups=mesh['a'=4,'b'=1] \
+{'a'}, dimensions={0}, frontend_attributes={chain_id="4"}
+  ROOT %ct = (bf16[128,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[512,1024]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) \
+tuple(%c0, %ag1, %c2)
+}
+
+%done_fusion (d0: bf16[128,1024], d1: bf16[512,1024], d2: u32[]) -> bf16[512,1024] {
+  %d0 = bf16[128,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %d1 = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  %d2 = u32[]{:S(2)} parameter(2)
+  %ag2 = bf16[512,1024]{1,0:T(8,128)(2,1)} all-gather(%d0), channel_id=100, replica_groups=mesh['a'=4,'b'=1] \
+{'a'}, dimensions={0}, frontend_attributes={chain_id="4"}
+  ROOT %dn = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} custom-call(%d0, %d1, %ag2, %d2), \
+custom_call_target="AsyncCollectiveDone"
+}
+
+%inner (i: (s32[], (bf16[128,1024], bf16[512,1024], u32[]))) -> (s32[], (bf16[128,1024], bf16[512,1024], u32[])) {
+  %i = (s32[], (bf16[128,1024], bf16[512,1024], u32[])) parameter(0)
+  %n = s32[] get-tuple-element(%i), index=0
+  %h = (bf16[128,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[512,1024]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) \
+get-tuple-element(%i), index=1
+  %h0 = bf16[128,1024]{1,0:T(8,128)(2,1)S(1)} get-tuple-element(%h), index=0
+  %h1 = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} get-tuple-element(%h), index=1
+  %h2 = u32[]{:S(2)} get-tuple-element(%h), index=2
+  %k = (bf16[128,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[512,1024]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) \
+fusion(%h0, %h1, %h2), kind=kLoop, calls=%continuation
+  ROOT %r = (s32[], (bf16[128,1024], bf16[512,1024], u32[])) tuple(%n, %k)
+}
+
+%inner_cond (ic: (s32[], (bf16[128,1024], bf16[512,1024], u32[]))) -> pred[] {
+  %ic = (s32[], (bf16[128,1024], bf16[512,1024], u32[])) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+%outer (o: (s32[], bf16[128,1024])) -> (s32[], bf16[128,1024]) {
+  %o = (s32[], bf16[128,1024]{1,0:T(8,128)(2,1)}) parameter(0)
+  %j = s32[] get-tuple-element(%o), index=0
+  %shard = bf16[128,1024]{1,0:T(8,128)(2,1)} get-tuple-element(%o), index=1
+  %s = (bf16[128,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[512,1024]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) \
+fusion(%shard), kind=kLoop, calls=%start_fusion
+  %z = s32[] constant(0)
+  %init = (s32[], (bf16[128,1024], bf16[512,1024], u32[])) tuple(%z, %s)
+  %loop = (s32[], (bf16[128,1024], bf16[512,1024], u32[])) while(%init), condition=%inner_cond, body=%inner, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %after = (bf16[128,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[512,1024]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) \
+get-tuple-element(%loop), index=1
+  %a0 = bf16[128,1024]{1,0:T(8,128)(2,1)S(1)} get-tuple-element(%after), index=0
+  %a1 = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} get-tuple-element(%after), index=1
+  %a2 = u32[]{:S(2)} get-tuple-element(%after), index=2
+  %gathered = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} fusion(%a0, %a1, %a2), kind=kLoop, calls=%done_fusion
+  ROOT %ro = (s32[], bf16[128,1024]{1,0:T(8,128)(2,1)}) tuple(%j, %shard)
+}
+
+%outer_cond (oc: (s32[], bf16[128,1024])) -> pred[] {
+  %oc = (s32[], bf16[128,1024]) parameter(0)
+  ROOT %u = pred[] constant(true)
+}
+
+ENTRY %main (w: bf16[128,1024]) -> (s32[], bf16[128,1024]) {
+  %w = bf16[128,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %zero = s32[] constant(0)
+  %t0 = (s32[], bf16[128,1024]{1,0:T(8,128)(2,1)}) tuple(%zero, %w)
+  ROOT %l = (s32[], bf16[128,1024]{1,0:T(8,128)(2,1)}) while(%t0), condition=%outer_cond, body=%outer, \
+backend_config={"known_trip_count":{"n":"5"}}
+}
+""".replace("\\\n", "")
+
+
+def test_a_tpu_async_collective_counts_once_where_it_starts():
+    """5 outer trips × one all-gather of a [128, 1024] bf16 shard over 4 devices (3 shards received), not again in
+    its 3 inner-loop continuations or its done fusion; the start fusion reads the shard from HBM, everything else
+    lives in VMEM (S(1)) or sync-flag memory (S(2)) and moves no HBM bytes."""
+    cost = hlo_cost(_TPU_ASYNC)
+    shard = 128 * 1024 * 2
+    assert cost.collective_bytes == 5 * 3 * shard
+    assert cost.bytes_accessed == 5 * shard
+
+
+_FP8_AND_SPACES = """HloModule m
+
+ENTRY %main (a: f8e4m3fn[64,32], b: f8e5m2[32,16], v: f32[1024]) -> (bf16[64,16], f8e4m3fn[64,32], f32[1024]) {
+  %a = f8e4m3fn[64,32]{1,0} parameter(0)
+  %b = f8e5m2[32,16]{1,0} parameter(1)
+  %v = f32[1024]{0} parameter(2)
+  %sum = f8e4m3fn[64,32]{1,0} add(%a, %a)
+  %mm = (bf16[64,16]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8", \
+backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],\
+"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %out = bf16[64,16]{1,0} get-tuple-element(%mm), index=0
+  %cs = (f32[1024]{0:S(1)}, f32[1024]{0}, u32[]{:S(2)}) copy-start(%v)
+  %cd = f32[1024]{0:S(1)} copy-done(%cs)
+  %back = f32[1024]{0} negate(%cd)
+  ROOT %r = (bf16[64,16]{1,0}, f8e4m3fn[64,32]{1,0}, f32[1024]{0}) tuple(%out, %sum, %back)
+}
+""".replace("\\\n", "")
+
+
+def test_fp8_types_and_memory_spaces():
+    """fp8 arrays are 1 byte an element: the f8 add is 2048 flops reading 2 × 2048 bytes and writing 2048, the
+    fp8 cuBLAS call 2·64·16·32 flops. A prefetch into memory space 1 (TPU VMEM) reads its HBM source once and
+    writes nothing to HBM; the negate reads VMEM and writes 4 KiB to HBM."""
+    cost = hlo_cost(_FP8_AND_SPACES)
+    assert cost.matmul_flops == 2 * 64 * 16 * 32
+    assert cost.flops == 2 * 64 * 16 * 32 + 64 * 32 + 1024
+    cublas = 64 * 32 + 32 * 16 + 64 * 16 * 2
+    assert cost.bytes_accessed == 3 * 64 * 32 + cublas + 4096 + 4096
 
 
 _CUSTOM_CALLS = """HloModule m

@@ -1,0 +1,143 @@
+"""`hlo_cost` on what each real compiler emits, against hand counts: a scan over a stacked weight (each layer's
+slice read once; a copy counted where the compiler materialises one), an in-place update loop, every collective
+form (synchronous on XLA:CPU and mostly on libtpu, `*-start` / `*-done` on XLA:GPU) and an fp8 matmul.
+
+XLA:CPU runs everywhere; the TPU and GPU compilers only where their compile-only venv is installed (skipped, with
+the command that creates it, elsewhere):
+  JAX_PLATFORMS=cpu .venv-tpu/bin/python -m pytest -q tests/plan/test_hlo_cost_compilers.py    # make venv-tpu
+  JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q tests/plan/test_hlo_cost_compilers.py   # make venv-cuda
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from logra_jax import aot
+from logra_jax.hlo_cost import hlo_cost
+
+TARGETS = ("cpu:4", "v5e:2x2", "h100:4")
+
+
+def _devices(target: str) -> list[jax.Device]:
+    if not aot.compiler_available(target):
+        venv = aot.target_info(target).venv
+        pytest.skip(f"{target}: its compiler is not installed here (make {venv.lstrip('.')}; run under {venv})")
+    return aot.devices(target)
+
+
+def _loop_body(text: str) -> list[str]:
+    """The instruction lines of the (single) while loop's body computation."""
+    body = re.search(r"body=%?([\w.\-]+)", text).group(1)
+    block = re.search(r"\n%?" + re.escape(body) + r" \(.*?\n\}", text, re.S).group(0)
+    return [line for line in block.splitlines() if re.match(r"\s*(ROOT )?%\S+ = ", line)]
+
+
+L, D, B = 28, 4096, 4  # issue 43's example: tanh(x[4, 4096] @ w[l]) over w[28, 4096, 4096]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_scan_over_stacked_weights_reads_each_layer_once(target):
+    """Hand count: each layer's [D, D] slice read once by its matmul, plus — where the compiler copies the slice
+    out of the stack before the matmul (XLA:GPU and XLA:CPU do; libtpu fuses the dynamic-slice into the matmul's
+    fusion) — the copy's read and write: 1× the stack on the TPU compiler, 3× on XLA:GPU and XLA:CPU. The x carry
+    ([4, D] per layer) adds < 0.1%. XLA:CPU has no bf16 matmul (it would convert the whole stack to f32 first),
+    so it compiles an f32 stack."""
+    device = _devices(target)[0]
+    dtype = jnp.float32 if target.startswith("cpu") else jnp.bfloat16
+
+    def f(w, x):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
+    spec = lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+    text = jax.jit(f).lower(spec((L, D, D)), spec((B, D))).compile().as_text()
+    layer = D * D * jnp.dtype(dtype).itemsize
+    # a top-level instruction of the loop body holding one layer's weights: the slice copied out of the stack
+    copies = [line for line in _loop_body(text) if re.search(rf"\[(1,)?{D},{D}\]", line.split("=")[1].split("(")[0])]
+    hand = L * layer * (3 if copies else 1)
+    assert bool(copies) == (not target.startswith("v5e")), copies  # libtpu fuses the slice into the matmul
+    cost = hlo_cost(text)
+    assert cost.bytes_accessed == pytest.approx(hand, rel=0.05), (cost.bytes_accessed / (L * layer), copies)
+    assert cost.matmul_flops == L * 2 * B * D * D
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_an_in_place_update_loop_reads_and_writes_each_slice_once(target):
+    """`buf.at[i].set(buf[i] * 2 + 1)` over a [16, 512, 512] buffer, not the whole buffer per iteration (16× the
+    buffer per slice). Hand count per iteration: libtpu and XLA:CPU fuse it into one in-place update, which reads
+    the slice and writes it (2 slices); XLA:GPU materialises the new slice first (reads the old, writes the new),
+    then its update fusion reads the new slice, re-reads the old one for its bounds check (a select between
+    them) and writes in place (5 slices)."""
+    device = _devices(target)[0]
+    n, rows = 16, 512
+
+    def f(buf):
+        return jax.lax.fori_loop(0, n, lambda i, b: b.at[i].set(b[i] * 2.0 + 1.0), buf)
+
+    spec = jax.ShapeDtypeStruct((n, rows, rows), jnp.float32, sharding=SingleDeviceSharding(device))
+    text = jax.jit(f, donate_argnums=0).lower(spec).compile().as_text()
+    materialised = [line for line in _loop_body(text) if f"[1,{rows},{rows}]" in line.split("=")[1].split("(")[0]]
+    assert bool(materialised) == target.startswith("h100"), materialised
+    hand = n * rows * rows * 4 * (5 if materialised else 2)
+    assert hlo_cost(text).bytes_accessed == pytest.approx(hand, rel=0.05)
+
+
+N, ROWS, COLS = 4, 256, 128  # 4 devices, each holding a [256, 128] f32 shard (128 KiB)
+SHARD = ROWS * COLS * 4
+
+
+def _collectives(devices: list[jax.Device]) -> dict[str, tuple[object, P, float]]:
+    """name: (shard_map'd function, input spec, hand count of the bytes each device receives under ring
+    algorithms over 4 devices)."""
+    mesh = Mesh(np.array(devices[:N]), ("x",))
+    sm = lambda f, i, o: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, check_vma=False))
+    share = (N - 1) / N
+    return {
+        "all-gather": (sm(lambda a: jax.lax.all_gather(a, "x", tiled=True) * 2, P("x"), P()), P("x"),
+                       share * N * SHARD),
+        "all-reduce": (sm(lambda a: jax.lax.psum(a * 2, "x"), P("x"), P()), P("x"), 2 * share * SHARD),
+        "reduce-scatter": (sm(lambda a: jax.lax.psum_scatter(a * 2, "x", tiled=True), P(), P("x")), P(),
+                           share * N * SHARD),
+        "all-to-all": (sm(lambda a: jax.lax.all_to_all(a * 2, "x", 0, 0, tiled=True), P("x"), P("x")), P("x"),
+                       share * SHARD),
+        "collective-permute": (sm(lambda a: jax.lax.ppermute(a * 2, "x", [(i, (i + 1) % N) for i in range(N)]),
+                                  P("x"), P("x")), P("x"), SHARD),
+    }
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_collective_form_counts_what_each_device_receives_once(target):
+    """Each collective alone, in the form its compiler emits (XLA:GPU: `<op>-start` + `<op>-done`, counted once;
+    XLA:CPU: synchronous; libtpu: synchronous here, `collective-permute-start`), against the hand count."""
+    devices = _devices(target)
+    forms = {}
+    for name, (fn, spec, hand) in _collectives(devices).items():
+        mesh = Mesh(np.array(devices[:N]), ("x",))
+        shape = (N * ROWS, COLS)
+        text = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))).compile() \
+            .as_text()
+        forms[name] = sorted(set(re.findall(rf"\s({re.escape(name)}(?:-start|-done)?)\(", text)))
+        assert forms[name], (name, "not emitted")
+        assert hlo_cost(text).collective_bytes == pytest.approx(hand, rel=1e-6), (name, forms[name])
+    if target.startswith("h100"):  # the asynchronous pairs, each counted once above
+        assert all(form == [f"{name}-done", f"{name}-start"] for name, form in forms.items()), forms
+
+
+def test_an_fp8_matmul_counts_its_flops_and_bytes():
+    """float8_e4m3fn operands (1 byte an element) into a bf16 result on the GPU compiler (cuBLAS's fp8 call or a
+    Triton fusion): 2·M·N·K flops."""
+    device = _devices("h100:4")[0]
+    m, k, n = 256, 512, 128
+    spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn, sharding=SingleDeviceSharding(device))
+    text = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16)).lower(
+        spec((m, k)), spec((k, n))).compile().as_text()
+    assert "f8e4m3fn" in text
+    cost = hlo_cost(text)
+    assert cost.matmul_flops == 2 * m * k * n
+    assert cost.bytes_accessed >= m * k + k * n + 2 * m * n  # the fp8 operands and bf16 result, at least once
