@@ -31,8 +31,10 @@ def requires_extra(extra: str, importer: str) -> Iterator[None]:
         the message names the package, `importer` and the `pip install` command; `name` is the missing module's.
 
     Example:
-      >>> with requires_extra("rl", "my_module"):
-      ...     import json  # any import that needs the extra
+      >>> with requires_extra("rl", "my_module"):  # doctest: +ELLIPSIS
+      ...     import a_package_not_installed
+      Traceback (most recent call last):
+      ModuleNotFoundError: my_module needs ... logra_jax[rl] (no module named 'a_package_not_installed'): pip ...
     """
     if extra not in EXTRAS:
         raise ValueError(f"requires_extra: extra must be one of {EXTRAS}, got {extra!r}")
