@@ -35,44 +35,48 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from logra_jax import metrics as metrics_lib
-from logra_jax import multihost
-from logra_jax.builders import build_model, build_tasks
-from logra_jax.checkpoint import CheckpointError, CheckpointManager
-from logra_jax.lifecycle import (
-    RunPreempted,
-    StopRequests,
-    check_resume,
-    describe_changes,
-    read_json,
-    record_config,
-    write_json_atomic,
-)
-from logra_jax.models import LoadStats
-from logra_jax.optimizers import check_optimizer_fits
-from logra_jax.phases import Trainer, job_mesh, reference_logprobs
-from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
-from logra_jax.rl.evaluation import greedy_accuracy
-from logra_jax.rl.objective import (
-    probe_rows,
-)
-from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
-from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
-from logra_jax.rollout.engine import rollout_engine
-from logra_jax.rollout.sampling import SamplingConfig
-from logra_jax.run_config import RunConfig
-from logra_jax.sft import cached_warm_start, supervised_warm_start
-from logra_jax.sharding import (
-    abstract_sharded,
-    batch_shardings,
-    global_rows,
-    local_rows,
-    process_rows,
-    replicated,
-    to_global,
-)
+from logra_jax.extras import requires_extra
+
+with requires_extra("rl", "logra_jax.train"):
+    from flax import nnx
+
+    from logra_jax import metrics as metrics_lib
+    from logra_jax import multihost
+    from logra_jax.builders import build_model, build_tasks
+    from logra_jax.checkpoint import CheckpointError, CheckpointManager
+    from logra_jax.lifecycle import (
+        RunPreempted,
+        StopRequests,
+        check_resume,
+        describe_changes,
+        read_json,
+        record_config,
+        write_json_atomic,
+    )
+    from logra_jax.models import LoadStats
+    from logra_jax.optimizers import check_optimizer_fits
+    from logra_jax.phases import Trainer, job_mesh, reference_logprobs
+    from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
+    from logra_jax.rl.evaluation import greedy_accuracy
+    from logra_jax.rl.objective import (
+        probe_rows,
+    )
+    from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
+    from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
+    from logra_jax.rollout.engine import rollout_engine
+    from logra_jax.rollout.sampling import SamplingConfig
+    from logra_jax.run_config import RunConfig
+    from logra_jax.sft import cached_warm_start, supervised_warm_start
+    from logra_jax.sharding import (
+        abstract_sharded,
+        batch_shardings,
+        global_rows,
+        local_rows,
+        process_rows,
+        replicated,
+        to_global,
+    )
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")

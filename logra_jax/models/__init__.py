@@ -13,18 +13,21 @@ from typing import Any
 
 import jax
 
-from logra_jax.models.config import PRESETS, ModelConfig, preset
-from logra_jax.models.decoder import (
-    Decoder,
-    KVCache,
-    abstract_model,
-    init_model,
-    init_sharded_model,
-    parameter_shardings,
-)
-from logra_jax.models.gguf import load_gguf, tokenizer_from_gguf
-from logra_jax.models.hf import LoadStats, export, load_hf
-from logra_jax.models.tokenizer import Tokenizer, char_tokenizer
+from logra_jax.extras import requires_extra
+
+with requires_extra("rl", "logra_jax.models"):
+    from logra_jax.models.config import PRESETS, ModelConfig, preset
+    from logra_jax.models.decoder import (
+        Decoder,
+        KVCache,
+        abstract_model,
+        init_model,
+        init_sharded_model,
+        parameter_shardings,
+    )
+    from logra_jax.models.gguf import load_gguf, tokenizer_from_gguf
+    from logra_jax.models.hf import LoadStats, export, load_hf
+    from logra_jax.models.tokenizer import Tokenizer, char_tokenizer
 
 _GGUF_MAGIC = b"GGUF"
 
