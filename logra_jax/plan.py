@@ -85,10 +85,37 @@ class PhaseBytes:
     others: int
     note: str = ""
     refused: str = ""  # the compiler's out-of-memory message, when it refused the program
+    # Time on paper (`PhaseTime.of`): the program's cost per device and its estimated seconds per run; None when
+    # the compiler refused it.
+    time: dict[str, Any] | None = None
+    per_decode_step: dict[str, Any] | None = None  # the engine's phases: one decode step over every slot
 
     @property
     def total(self) -> int:
         return self.program["total"] + self.others
+
+
+def program_time(compiled: Any, info: Any, floor_bytes: float, runs: float = 1.0) -> dict[str, Any]:
+    """One program's cost per device from its optimized HLO (`logra_jax.hlo_cost`: every loop iteration counted),
+    and its estimated seconds on `info`'s chip (`logra_jax.aot.roofline`: max(flops / peak, HBM bytes / bandwidth)
+    + collective bytes / link bandwidth), times `runs`; est_seconds None for a CPU target (no published figures).
+    floor_bytes: the HBM bytes the program cannot do without (its bandwidth floor)."""
+    from logra_jax import aot
+    from logra_jax.hlo_cost import hlo_cost
+
+    cost = hlo_cost(compiled.as_text())
+    out = {"flops": cost.flops, "hbm_bytes": cost.bytes_accessed, "collective_bytes": cost.collective_bytes,
+           "floor_bytes": float(floor_bytes), "runs": runs, "est_seconds": None, "floor_seconds": None}
+    if info is not None and info.hbm_bandwidth is not None and info.peak_bf16_flops is not None:
+        roof = aot.roofline(cost.flops, cost.bytes_accessed, cost.collective_bytes, info)
+        out.update(est_seconds=runs * roof.seconds, floor_seconds=runs * floor_bytes / info.hbm_bandwidth,
+                   bound=roof.bound)
+    return out
+
+
+def _io_bytes(program: dict[str, int]) -> int:
+    """A program's arguments and outputs, each touched once: the floor of its HBM traffic."""
+    return program.get("argument", 0) + program.get("output", 0) - program.get("alias", 0)
 
 
 def compiled_bytes(jitted: Any, *args: Any, **kwargs: Any) -> tuple[dict[str, int], str, Any]:
@@ -146,6 +173,7 @@ class _Job:
     engine: Any
     engine_copied: int
     engine_shared: int
+    info: Any = None  # the target's TargetInfo (chip figures for the time on paper)
 
     def alive(self, *names: str) -> int:
         """Per-device bytes of what the job keeps: "state" (train state + the model's other state), "ref" (the KL
@@ -156,7 +184,7 @@ class _Job:
 
 
 def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None,
-         hbm_bytes: float | None) -> _Job:
+         hbm_bytes: float | None, info: Any) -> _Job:
     from logra_jax.builders import build_model
     from logra_jax.phases import Trainer
     from logra_jax.rollout.engine import DecodeLayout
@@ -183,7 +211,7 @@ def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, An
         copied = sum(device_bytes(layout.leaves[p]) for p in to_copy)
         shared_bytes = sum(device_bytes(layout.leaves[p]) for p in shared)
     return _Job(run, mesh, prompt_len, jit, model, params, rest, trainer, state, trainer_rest, ref, layout, engine,
-                copied, shared_bytes)
+                copied, shared_bytes, info)
 
 
 def _prompts(job: _Job, rows: int, mesh: Any) -> tuple[Any, Any]:
@@ -194,10 +222,22 @@ def _prompts(job: _Job, rows: int, mesh: Any) -> tuple[Any, Any]:
     return prompts, _mask(prompts)
 
 
-def _engine_programs(job: _Job, sampling: Any, prompts: int) -> tuple[dict[str, int], str, dict[str, Any]]:
-    """The engine's programs for `prompts` prompts under `sampling` (logra_jax.rollout.slots): start, refill (the
-    prefill of K prompts into slots) and one decode chunk attending over the whole cache. Returns the largest
-    program's bytes, any refusal, and {name: compiled program}."""
+def _timed(job: _Job, name: str, compiled_result: tuple[dict[str, int], str, Any], others: int, note: str,
+           runs: float = 1.0) -> PhaseBytes:
+    """A phase of one program (`compiled_bytes`' result) with its time on paper (floor: its arguments and outputs
+    touched once), `runs` times per run of the phase."""
+    program, refused, compiled = compiled_result
+    time = None if compiled is None else program_time(compiled, job.info, _io_bytes(program), runs)
+    return PhaseBytes(name, program, others, note, refused, time)
+
+
+def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int, note: str) -> PhaseBytes:
+    """A phase run by the engine (logra_jax.rollout.slots) for `prompts` prompts under `sampling`: its programs
+    start, refill (the prefill of K prompts into slots) and one decode chunk attending over the whole cache; the
+    phase's bytes are the largest program's. Time on paper: every response at its budget N (an upper bound), so
+    the rows run in ⌈R / S⌉ waves of one refill and N decode steps; per decode step the decode program's cost (its
+    while loop, whose trip count the compiler cannot know, counted once: one step) against the bandwidth floor,
+    the engine's weights / devices + the KV cache read / devices."""
     from logra_jax.rollout import slots as slots_lib
     from logra_jax.sharding import abstract_sharded
 
@@ -206,25 +246,39 @@ def _engine_programs(job: _Job, sampling: Any, prompts: int) -> tuple[dict[str, 
     key = jax.eval_shape(lambda: jax.random.key(0))
     rows = prompts * sampling.num_samples
     S, K = slots_lib.num_slots(sampling, rows), slots_lib.prefill_lanes(sampling, prompts, rows)
-    start_bytes, refused, compiled = compiled_bytes(slots_lib.start, graphdef, state, prompt_arr, mask,
-                                                    config=sampling, num_slots=S, mesh=mesh)
+    note = f"{note}, {S} slots; engine weights (decode layout, tensor {job.layout.tensor}) + KV cache"
+    largest, refused, compiled = compiled_bytes(slots_lib.start, graphdef, state, prompt_arr, mask, config=sampling,
+                                                num_slots=S, mesh=mesh)
     if compiled is None:
-        return start_bytes, refused, {}
+        return PhaseBytes(name, largest, others, note, refused)
     out = jax.eval_shape(lambda s, p, m: slots_lib.start(graphdef, s, p, m, config=sampling, num_slots=S, mesh=mesh),
                          state, prompt_arr, mask)
     slots, packed, packed_mask = abstract_sharded(out, compiled.output_shardings)
     lane = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)
-    programs = {"start": (start_bytes, compiled)}
     refill_bytes, refused, refill = compiled_bytes(slots_lib.refill, graphdef, state, slots, packed, packed_mask,
                                                    lane(K), lane(S), lane(S), lane(S), config=sampling, mesh=mesh)
-    programs["refill"] = (refill_bytes, refill)
-    if not refused:
-        bucket = job.prompt_len + sampling.max_new_tokens
-        decode_bytes, refused, decode = compiled_bytes(slots_lib.decode, graphdef, state, slots, key,
-                                                       config=sampling, bucket=bucket, mesh=mesh)
-        programs["decode"] = (decode_bytes, decode)
-    largest = max((b for b, _ in programs.values()), key=lambda b: b["total"])
-    return largest, refused, {name: c for name, (_, c) in programs.items()}
+    largest = max(largest, refill_bytes, key=lambda b: b["total"])
+    if refused:
+        return PhaseBytes(name, largest, others, note, refused)
+    decode_bytes, refused, decode = compiled_bytes(slots_lib.decode, graphdef, state, slots, key, config=sampling,
+                                                   bucket=job.prompt_len + sampling.max_new_tokens, mesh=mesh)
+    largest = max(largest, decode_bytes, key=lambda b: b["total"])
+    if refused:
+        return PhaseBytes(name, largest, others, note, refused)
+    devices = mesh.devices.size
+    kv_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in (slots.cache.k, slots.cache.v))
+    weights = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    step = program_time(decode, job.info, (weights + kv_bytes) / devices)
+    waves = -(-rows // S)
+    prefill = program_time(refill, job.info, _io_bytes(refill_bytes), runs=waves)
+    time = {key_: step[key_] * waves * sampling.max_new_tokens + prefill[key_]
+            for key_ in ("flops", "hbm_bytes", "collective_bytes", "floor_bytes")}
+    time.update(runs=1, decode_steps=waves * sampling.max_new_tokens, refills=waves, est_seconds=None,
+                floor_seconds=None)
+    if step["est_seconds"] is not None:
+        time.update(est_seconds=step["est_seconds"] * time["decode_steps"] + prefill["est_seconds"],
+                    floor_seconds=step["floor_seconds"] * time["decode_steps"] + prefill["floor_seconds"])
+    return PhaseBytes(name, largest, others, note, "", time, step)
 
 
 def _phase_start(job: _Job) -> PhaseBytes:
@@ -233,10 +287,10 @@ def _phase_start(job: _Job) -> PhaseBytes:
 
     config = job.model.config
     init_sh = param_shardings(nnx.split(abstract_model(config))[1], job.mesh)
-    program, refused, _ = compiled_bytes(job.jit(lambda: nnx.split(init_model(config, job.run.model.init_seed))[1],
-                                                 out_shardings=init_sh))
-    return PhaseBytes("start", program, 0, "weights created in their shards (a checkpoint: read slice by slice, one "
-                      "layer's slice of one parameter on the host)", refused)
+    result = compiled_bytes(job.jit(lambda: nnx.split(init_model(config, job.run.model.init_seed))[1],
+                                    out_shardings=init_sh))
+    return _timed(job, "start", result, 0, "weights created in their shards (a checkpoint: read slice by slice, one "
+                  "layer's slice of one parameter on the host)")
 
 
 def _phase_warm_start(job: _Job) -> PhaseBytes:
@@ -248,27 +302,24 @@ def _phase_warm_start(job: _Job) -> PhaseBytes:
     graphdef = nnx.split(job.model, nnx.Param, ...)[0]
     step, sft_init, batch, sft_state_sh = sft_step(graphdef, job.params, job.rest, run.sft, job.mesh, length)
     sft_state = jax.eval_shape(sft_init, job.params)  # the warm start's own TrainState, shapes only
-    program, refused, _ = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), job.rest,
-                                         abstract_sharded(batch, batch_shardings(batch, job.mesh)))
-    return PhaseBytes("warm start", program, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} sequences of "
-                      f"{length} tokens", refused)
+    result = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), job.rest,
+                            abstract_sharded(batch, batch_shardings(batch, job.mesh)))
+    return _timed(job, "warm start", result, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} sequences of "
+                  f"{length} tokens, {run.sft.steps} steps", runs=run.sft.steps)
 
 
 def _phase_trainer_init(job: _Job) -> PhaseBytes:
-    program, refused, _ = compiled_bytes(job.trainer.init, job.params, job.rest)
-    return PhaseBytes("trainer init", program, 0, f"{job.run.optimizer.name} state from the donated weights", refused)
+    return _timed(job, "trainer init", compiled_bytes(job.trainer.init, job.params, job.rest), 0,
+                  f"{job.run.optimizer.name} state from the donated weights")
 
 
 def _phase_rollout(job: _Job) -> PhaseBytes:
-    from logra_jax.rollout.slots import num_slots
-
     run = job.run
     sampling = run.rollout.sampling(eos_id=0, pad_id=0)
     rows = run.rollout.prompts_per_step * sampling.num_samples
-    program, refused, _ = _engine_programs(job, sampling, run.rollout.prompts_per_step)
-    return PhaseBytes("rollout", program, job.alive("state", "ref") - job.engine_shared,
-                      f"{rows} responses of ≤ {run.rollout.max_new_tokens} tokens in {num_slots(sampling, rows)} "
-                      f"slots; engine weights (decode layout, tensor {job.layout.tensor}) + KV cache", refused)
+    return _engine_phase(job, "rollout", sampling, run.rollout.prompts_per_step,
+                         job.alive("state", "ref") - job.engine_shared,
+                         f"{rows} responses of ≤ {run.rollout.max_new_tokens} tokens")
 
 
 def _phase_kl_reference(job: _Job) -> PhaseBytes:
@@ -279,10 +330,8 @@ def _phase_kl_reference(job: _Job) -> PhaseBytes:
     ref_fn = reference_logprobs(job.trainer, run, mesh, job.prompt_len)
     rows = {k: v for k, v in job.trainer.step(run, mesh, job.prompt_len)[1].items()
             if k in ("tokens", "attention_mask")}
-    program, refused, _ = compiled_bytes(ref_fn, job.ref, job.trainer_rest,
-                                         abstract_sharded(rows, batch_shardings(rows, mesh)))
-    return PhaseBytes("KL reference", program, job.alive("state", "engine"), "the reference policy's log-probs",
-                      refused)
+    result = compiled_bytes(ref_fn, job.ref, job.trainer_rest, abstract_sharded(rows, batch_shardings(rows, mesh)))
+    return _timed(job, "KL reference", result, job.alive("state", "engine"), "the reference policy's log-probs")
 
 
 def _phase_train_step(job: _Job) -> PhaseBytes:
@@ -290,14 +339,12 @@ def _phase_train_step(job: _Job) -> PhaseBytes:
 
     run, mesh = job.run, job.mesh
     step_fn, batch, probe = job.trainer.step(run, mesh, job.prompt_len)
-    program, refused, _ = compiled_bytes(step_fn, job.state, job.trainer_rest,
-                                         abstract_sharded(batch, batch_shardings(batch, mesh)),
-                                         None if probe is None else abstract_sharded(probe, batch_shardings(probe,
-                                                                                                            mesh)))
+    result = compiled_bytes(step_fn, job.state, job.trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
+                            None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
     probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
     rows = run.rollout.prompts_per_step * run.rollout.num_samples
-    return PhaseBytes("train step", program, job.alive("engine", "ref"),
-                      f"{rows} sequences in {run.train.microbatches} microbatches{probe_note}", refused)
+    return _timed(job, "train step", result, job.alive("engine", "ref"),
+                  f"{rows} sequences in {run.train.microbatches} microbatches{probe_note}")
 
 
 def _phase_policy_sync(job: _Job) -> PhaseBytes:
@@ -306,22 +353,18 @@ def _phase_policy_sync(job: _Job) -> PhaseBytes:
     from logra_jax.rollout.sync import flat_params
 
     shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
-    program, refused, _ = compiled_bytes(job.layout.cast(tuple(to_copy)), to_copy)
-    return PhaseBytes("policy sync", program, job.alive("state", "ref", "engine") - device_bytes(to_copy),
-                      f"the trainer's weights cast to {job.layout.config.param_dtype} and resharded into the decode "
-                      f"layout ({len(to_copy)} leaves; {len(shared)} shared as they are)", refused)
+    return _timed(job, "policy sync", compiled_bytes(job.layout.cast(tuple(to_copy)), to_copy),
+                  job.alive("state", "ref", "engine") - device_bytes(to_copy),
+                  f"the trainer's weights cast to {job.layout.config.param_dtype} and resharded into the decode "
+                  f"layout ({len(to_copy)} leaves; {len(shared)} shared as they are)")
 
 
 def _phase_evaluation(job: _Job) -> PhaseBytes:
-    from logra_jax.rollout.slots import num_slots
-
     run = job.run
-    greedy = run.rollout.sampling(eos_id=0, pad_id=0, greedy=True)
     rows = run.rollout.prompts_per_step * run.rollout.num_samples
-    program, refused, _ = _engine_programs(job, greedy, rows)
-    return PhaseBytes("evaluation", program, job.alive("state", "ref") - job.engine_shared,
-                      f"greedy decoding of {rows} held-out prompts by the engine, {num_slots(greedy, rows)} slots",
-                      refused)
+    return _engine_phase(job, "evaluation", run.rollout.sampling(eos_id=0, pad_id=0, greedy=True), rows,
+                         job.alive("state", "ref") - job.engine_shared,
+                         f"greedy decoding of {rows} held-out prompts by the engine")
 
 
 _PHASE_PLANS: dict[str, Callable[[_Job], PhaseBytes]] = {
@@ -331,7 +374,7 @@ _PHASE_PLANS: dict[str, Callable[[_Job], PhaseBytes]] = {
 
 
 def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mapping[str, Any] | None = None,
-                only: Collection[str] | None = None, hbm_bytes: float | None = None,
+                only: Collection[str] | None = None, hbm_bytes: float | None = None, info: Any = None,
                 progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
     """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
 
@@ -342,9 +385,10 @@ def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mappi
       compiler_options: XLA options for every compilation (e.g. `sharding.FAST_CPU_COMPILE` for XLA:CPU).
       only: the names of the phases to compile (default all; `PHASES`).
       hbm_bytes: the devices' memory (the engine's default decode layout depends on it).
+      info: the target's `aot.TargetInfo` (chip figures for each phase's time on paper; None: bytes only).
       progress: called with each phase's name before it compiles.
     """
-    job = _job(run, mesh, prompt_len, compiler_options, hbm_bytes)
+    job = _job(run, mesh, prompt_len, compiler_options, hbm_bytes, info)
     applies = {"warm start": bool(run.sft.steps), "KL reference": job.ref is not None,
                "rollout": job.layout is not None, "policy sync": job.layout is not None,
                "evaluation": job.layout is not None}
@@ -396,15 +440,50 @@ ADVICE = {
 }
 
 
-def report(phases: list[PhaseBytes], hbm: int) -> tuple[str, int]:
-    """(the table as text, exit status: 0 every phase fits `hbm` bytes, 3 one does not)."""
-    lines = [f"{'phase':13s} {'program':>9s} {'beside it':>10s} {'total':>9s}  (GiB per device; HBM "
-             f"{hbm / GIB:.2f})"]
+def rl_step_time(phases: list[PhaseBytes], run: Any) -> dict[str, Any] | None:
+    """An RL step's seconds on paper: rollout + KL reference + train step + policy sync (+ an evaluation every
+    train.eval_every steps, spread over them), and the hours for train.steps (+ the warm start); None when the
+    rollout's or the train step's time is unknown (a CPU target, a refused program, a phase not compiled)."""
+    est = {p.name: p.time["est_seconds"] for p in phases if p.time and p.time.get("est_seconds") is not None}
+    if "rollout" not in est or "train step" not in est:
+        return None
+    parts = {name: est[name] for name in ("rollout", "KL reference", "train step", "policy sync") if name in est}
+    if run.train.eval_every and "evaluation" in est:
+        parts["evaluation"] = est["evaluation"] / run.train.eval_every
+    seconds = sum(parts.values())
+    return {"seconds": seconds, "parts": parts, "steps": run.train.steps,
+            "hours": (run.train.steps * seconds + est.get("warm start", 0.0)) / 3600}
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.1f} s" if value < 600 else f"{value / 60:.1f} min"
+
+
+def report(phases: list[PhaseBytes], hbm: int, run: Any = None) -> tuple[str, int]:
+    """(the table as text, exit status: 0 every phase fits `hbm` bytes, 3 one does not). With `run`, each phase's
+    time on paper, the engine's decode step against its floor, and the RL step's time."""
+    lines = [f"{'phase':13s} {'program':>9s} {'beside it':>10s} {'total':>9s} {'on paper':>10s}  (GiB per device; "
+             f"HBM {hbm / GIB:.2f})"]
     for p in phases:
         flag = "" if p.total <= hbm else "  DOES NOT FIT"
         refused = f" [compiler: {p.refused.strip()}]" if p.refused else ""
-        lines.append(f"{p.name:13s} {p.program['total'] / GIB:9.2f} {p.others / GIB:10.2f} {p.total / GIB:9.2f}"
-                     f"{flag}  {p.note}{refused}")
+        est = _seconds(p.time.get("est_seconds")) if p.time else "–"
+        lines.append(f"{p.name:13s} {p.program['total'] / GIB:9.2f} {p.others / GIB:10.2f} {p.total / GIB:9.2f} "
+                     f"{est:>10s}{flag}  {p.note}{refused}")
+    for p in phases:
+        d = p.per_decode_step
+        if d and d.get("est_seconds") is not None:
+            lines.append(f"{p.name} decode step: HBM {d['hbm_bytes'] / 1e9:.3f} GB + collectives "
+                         f"{d['collective_bytes'] / 1e9:.3f} GB per device → {_seconds(d['est_seconds'])}; floor "
+                         f"(weights + KV read, / devices) {d['floor_bytes'] / 1e9:.3f} GB → "
+                         f"{_seconds(d['floor_seconds'])} ({d['est_seconds'] / d['floor_seconds']:.2f}× the floor)")
+    step = None if run is None else rl_step_time(phases, run)
+    if step:
+        parts = " + ".join(f"{name} {_seconds(sec)}" for name, sec in step["parts"].items())
+        lines.append(f"RL step on paper: {_seconds(step['seconds'])} ({parts}); {step['steps']} steps ≈ "
+                     f"{step['hours']:.1f} h")
     peak = max(phases, key=lambda p: p.total)
     lines.append(f"largest: {peak.name} ({peak.total / GIB:.2f} GiB per device)")
     over = [p for p in phases if p.total > hbm]
@@ -450,20 +529,22 @@ def main(argv: list[str] | None = None) -> int:
 
     run = planning_config(config)
     mesh = job_mesh(run.train, aot.devices(args.target))
-    prompt_len = args.prompt_len or job_prompt_length(run)
+    recipe_without_data = config.task.kind == "jsonl" and not config.task.jsonl_train
+    # A JSONL recipe planned before its files exist runs at its own prompt length, not the placeholder task's.
+    prompt_len = args.prompt_len or (512 if recipe_without_data else job_prompt_length(run))
     print(f"plan: {args.config} on {args.target} ({info.device_kind}, mesh data×fsdp×tensor "
           f"{'×'.join(map(str, mesh.devices.shape))}; {run.model.checkpoint or run.model.preset}, "
           f"{run.optimizer.name}; jax {jax.__version__})", flush=True)
     phases = plan_phases(run, mesh, prompt_len,
                          compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None, only=args.phases,
-                         hbm_bytes=None if info.platform == "cpu" else hbm,
+                         hbm_bytes=None if info.platform == "cpu" else hbm, info=info,
                          progress=lambda name: print(f"  compiling {name} ...", flush=True))
-    text, status = report(phases, hbm)
+    text, status = report(phases, hbm, run)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": args.config, "target": args.target, "hbm_bytes": hbm, "jax": jax.__version__,
-            "mesh": list(mesh.devices.shape), "prompt_len": prompt_len,
+            "mesh": list(mesh.devices.shape), "prompt_len": prompt_len, "rl_step": rl_step_time(phases, run),
             "phases": [{**dataclasses.asdict(p), "total": p.total} for p in phases]}, indent=1))
     return status
 

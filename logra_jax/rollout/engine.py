@@ -62,18 +62,19 @@ def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
 def default_decode_tensor(config: ModelConfig, mesh: Mesh, hbm_bytes: float | None = None) -> int:
     """t for the decode layout when the config leaves it to us (rollout.decode_tensor = 0).
 
-    With the devices' memory known (`hbm_bytes` per device): the smallest t dividing the device count and the
-    model's head counts for which the compute-dtype weights take at most an eighth of a device (the rest holds the
-    trainer's state, the KV cache and the train step). Without (a CPU run): the trainer mesh's tensor size.
+    The candidates divide the device count, the attention heads and the KV heads (so that every device holds whole
+    KV heads of its slots, and the KV cache is split over all devices: heads over t, slots over n / t). With the
+    devices' memory known (`hbm_bytes` per device): the smallest candidate for which the compute-dtype weights take
+    at most an eighth of a device (the rest holds the trainer's state, the KV cache and the train step), else the
+    largest candidate. Without (a CPU run): the trainer mesh's tensor size.
     """
     n = mesh.devices.size
     if hbm_bytes is None:
         return int(mesh.shape["tensor"])
     weights = weight_bytes(decode_config(config))
-    for t in range(1, n + 1):
-        if n % t == 0 and config.num_heads % t == 0 and weights / t <= hbm_bytes / 8:
-            return t
-    return n
+    candidates = [t for t in range(1, n + 1)
+                  if n % t == 0 and config.num_heads % t == 0 and config.num_kv_heads % t == 0]
+    return next((t for t in candidates if weights / t <= hbm_bytes / 8), candidates[-1])
 
 
 def weight_bytes(config: ModelConfig) -> int:

@@ -108,7 +108,10 @@ def test_decode_layout_choice_and_errors():
     assert default_decode_tensor(CONFIG, mesh) == 1  # memory unknown: the trainer's tensor size
     flat = flat_params(nnx.state(init_model(CONFIG), nnx.Param))  # bf16 matrices, float32 norm scales
     weights = sum(x.size * (2 if p.endswith(("kernel", "embedding")) else 4) for p, x in flat.items())
-    # An eighth of the memory holds the bf16 weights split over the smallest t that fits (t must divide the heads).
+    # An eighth of the memory holds the bf16 weights split over the smallest t that fits; t divides the devices and
+    # the heads (4) and KV heads (2), so no more than 2 even when nothing fits.
     assert default_decode_tensor(CONFIG, mesh, hbm_bytes=8 * weights) == 1
     assert default_decode_tensor(CONFIG, mesh, hbm_bytes=4.1 * weights) == 2
-    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=1.01 * weights) == 8
+    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=1.01 * weights) == 2
+    wide = preset("tiny", dtype="bfloat16", num_heads=8, num_kv_heads=8, head_dim=8)
+    assert default_decode_tensor(wide, mesh, hbm_bytes=1.01 * weights) == 8
