@@ -2,7 +2,7 @@
 
 B prompts × n samples make R = B·n rows (row r = sample r mod n of prompt ⌊r / n⌋). The engine decodes S slots at
 once, each holding one row's KV cache of P + N positions (prompt, then response). The host loop:
-  1. refill: the free slots (all of them at the start; later once at least a quarter are free, or none is active)
+  1. refill: the free slots (all of them at the start; later once a quarter are free, or as many as rows wait)
      take the next waiting rows in order; their prompts are prefilled once each ([K, P], K = the most prompts a
      refill of S rows can touch) and each row's slot receives its prompt's keys and values (a scatter);
   2. decode: D steps over all S slots in one jitted `while_loop` (stopping early once every slot is done), each
@@ -213,7 +213,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
     waiting, done, t = 0, np.ones(S, bool), np.zeros(S, np.int64)
     while True:
         free = np.flatnonzero(done)
-        if waiting < R and (free.size >= max(1, int(S * REFILL_FRACTION)) or free.size == S):
+        if waiting < R and free.size >= min(max(1, int(S * REFILL_FRACTION)), R - waiting):
             dest = free[:R - waiting]
             rows = np.arange(waiting, waiting + dest.size)
             waiting += dest.size
