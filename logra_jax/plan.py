@@ -17,7 +17,7 @@ fake XLA:CPU devices for cpu:N). A phase's per-device bytes are its program's (a
   KL reference  the reference policy's log-probs (only with algorithm.kl_beta > 0)
   train step    the RL step with its KL probe + the engine's weights and any reference
   policy sync   the engine's publish: the trainer's weights cast and resharded into the decode layout, beside the
-                train state, the reference and the previous engine copy
+                train state and the reference (the engine drops its previous copy first)
   evaluation    the engine's greedy decoding of prompts_per_step × num_samples held-out prompts
 The largest is named. Exit status 0 when every phase fits the HBM (`--hbm_gib`, default the target's per-device
 HBM), 3 when one does not (naming it and what to change), 2 for bad flags, 1 for other errors. A phase that the
@@ -349,12 +349,12 @@ def _phase_train_step(job: _Job) -> PhaseBytes:
 
 def _phase_policy_sync(job: _Job) -> PhaseBytes:
     """The engine's publish: the trainer's weights cast and resharded into the decode layout (the job's own
-    program, `DecodeLayout.cast`), while the previous engine copy is still alive."""
+    program, `DecodeLayout.cast`; the engine drops its previous copy first)."""
     from logra_jax.rollout.sync import flat_params
 
     shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
-    return _timed(job, "policy sync", compiled_bytes(job.layout.cast(tuple(to_copy)), to_copy),
-                  job.alive("state", "ref", "engine") - device_bytes(to_copy),
+    return _timed(job, "policy sync", compiled_bytes(job.layout.cast(to_copy), to_copy),
+                  job.alive("state", "ref") - device_bytes(to_copy),
                   f"the trainer's weights cast to {job.layout.config.param_dtype} and resharded into the decode "
                   f"layout ({len(to_copy)} leaves; {len(shared)} shared as they are)")
 

@@ -125,13 +125,21 @@ class DecodeLayout:
             (shared if same else to_copy)[path] = leaf
         return shared, to_copy
 
-    def cast(self, paths: tuple[str, ...]) -> Any:
-        """The jitted cast + reshard of these leaves into the decode layout (built once per set of paths)."""
-        if paths not in self._casts:
-            self._casts[paths] = jax.jit(
-                lambda tree: {p: x.astype(self.leaves[p].dtype) for p, x in tree.items()},
-                out_shardings={p: self.leaves[p].sharding for p in paths})
-        return self._casts[paths]
+    def cast(self, leaves: dict[str, Any]) -> Any:
+        """The jitted cast + reshard of these trainer leaves (arrays or abstract, by path) into the decode layout,
+        built once per set of paths and input shardings: each leaf is cast where it lies, then moved in the
+        engine's dtype (a bf16 engine moves half a float32 trainer's bytes, and no float32 copy is gathered)."""
+        ins = {p: getattr(x, "sharding", None) for p, x in leaves.items()}
+        key = tuple((p, ins[p]) for p in leaves)
+        if key not in self._casts:
+            def cast(tree: dict[str, Any]) -> dict[str, Any]:
+                out = {}
+                for p, x in tree.items():
+                    y = x.astype(self.leaves[p].dtype)
+                    out[p] = y if ins[p] is None else jax.lax.with_sharding_constraint(y, ins[p])
+                return out
+            self._casts[key] = jax.jit(cast, out_shardings={p: self.leaves[p].sharding for p in leaves})
+        return self._casts[key]
 
     def state(self, flat: dict[str, Any]) -> Any:
         """The engine's state tree (nnx.State) from leaves by path."""
@@ -180,7 +188,8 @@ class ColocatedEngine:
         del updates
         start = time.perf_counter()
         shared, to_copy = self.layout.split({**self._rest, **flat_params(params)})
-        copied = self.layout.cast(tuple(to_copy))(to_copy)
+        self.state = None  # the previous copy goes before the new one is built (the peak holds one copy)
+        copied = self.layout.cast(to_copy)(to_copy)
         self.state = jax.block_until_ready(self.layout.state({**shared, **copied}))
         self.version = self.version + 1 if version is None else version
         nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in tree.values())
