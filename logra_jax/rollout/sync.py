@@ -22,16 +22,12 @@ A mismatch of either leaves the receiver unsynchronised until the trainer sends 
 float32, with the same version, checksum and fingerprint), which is also the bootstrap. The receiving end is
 `logra_jax.rollout.worker.RolloutWeights`; `PolicySync` is the sending end.
 
-Wire format (no pickle): b"LGRASYNC", u64 little-endian header length, UTF-8 JSON header {"meta", "arrays":
-[{name, dtype, shape, offset, nbytes}]}, then the raw little-endian array bytes.
+Wire format: `logra_jax.rollout.wire.pack` (no pickle; jax-free, so a PyTorch engine reads it too).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import struct
 import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal, NamedTuple
@@ -45,77 +41,10 @@ from logra_jax.fingerprint import tree_fingerprint
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import MatrixDims, Target
+from logra_jax.rollout.wire import PayloadError, header, pack, payload_checksum, unpack
 from logra_jax.tree_paths import path_str
 
 FORMAT = "logra-sync/2"  # /2: one fingerprint number per leaf (/1: two)
-_MAGIC = b"LGRASYNC"
-_DTYPES = {name: np.dtype(jnp.dtype(name)) for name in
-           ("float32", "bfloat16", "float16", "int32", "uint32", "int8", "uint8", "bool")}
-
-
-class PayloadError(ValueError):
-    """A payload or frame that cannot be trusted: malformed, truncated or failing its checksum."""
-
-
-def _contiguous(a: np.ndarray) -> np.ndarray:
-    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray makes them 1-d)."""
-    a = np.asarray(a)
-    return a if a.flags.c_contiguous else a.copy(order="C")
-
-
-def _header(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
-    table, offset = [], 0
-    for name, a in arrays.items():
-        if a.dtype.name not in _DTYPES:
-            raise TypeError(f"pack: array {name!r} has unsupported dtype {a.dtype} (supported: {sorted(_DTYPES)})")
-        table.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "offset": offset,
-                      "nbytes": a.nbytes})
-        offset += a.nbytes
-    header = json.dumps({"meta": meta, "arrays": table}, separators=(",", ":")).encode()
-    return _MAGIC + struct.pack("<Q", len(header)) + header
-
-
-def pack(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
-    """Frame a JSON-able `meta` dict and named arrays as bytes (see the module docstring); `unpack` inverts it.
-
-    Example:
-      >>> meta, arrays = unpack(pack({"a": 1}, {"x": np.arange(3, dtype=np.int32)}))
-      >>> meta, arrays["x"].tolist()
-      ({'a': 1}, [0, 1, 2])
-    """
-    arrays = {name: _contiguous(a) for name, a in arrays.items()}
-    blobs = [a.reshape(-1).view(np.uint8).data for a in arrays.values()]
-    return b"".join([_header(meta, arrays), *blobs])
-
-
-def unpack(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(meta, arrays) from `pack`'s bytes; arrays are read-only views into `data` (no copy).
-
-    Raises:
-      PayloadError: bad magic, truncated data, unreadable header or an array table that does not fit.
-    """
-    view = memoryview(data).cast("B")
-    start = len(_MAGIC) + 8
-    if len(view) < start or bytes(view[:len(_MAGIC)]) != _MAGIC:
-        raise PayloadError(f"frame does not start with {_MAGIC!r} (length {len(view)})")
-    (size,) = struct.unpack("<Q", view[len(_MAGIC):start])
-    if start + size > len(view):
-        raise PayloadError(f"header length {size} exceeds the frame ({len(view)} bytes)")
-    try:
-        header = json.loads(bytes(view[start:start + size]).decode())
-        body = view[start + size:]
-        arrays = {}
-        for entry in header["arrays"]:
-            lo, n = int(entry["offset"]), int(entry["nbytes"])
-            dtype, shape = _DTYPES[entry["dtype"]], tuple(int(s) for s in entry["shape"])
-            if lo < 0 or lo + n > len(body) or n != dtype.itemsize * int(np.prod(shape)):
-                raise PayloadError(f"array {entry['name']!r} ({n} bytes at {lo}) does not fit the frame")
-            arrays[entry["name"]] = np.frombuffer(body[lo:lo + n], dtype=dtype).reshape(shape)
-        return header["meta"], arrays
-    except PayloadError:
-        raise
-    except (ValueError, KeyError, TypeError) as err:  # includes JSON and UTF-8 decoding errors
-        raise PayloadError(f"unreadable frame header: {err!r}") from err
 
 
 def flat_params(tree: Any) -> dict[str, Any]:
@@ -204,7 +133,7 @@ class SyncPayload:
     def nbytes(self) -> int:
         """Bytes of the framed payload (`to_bytes` length), computed without framing it."""
         meta, arrays = self.parts()
-        return len(_header({**meta, "checksum": self.checksum}, arrays)) + sum(a.nbytes for a in arrays.values())
+        return len(header({**meta, "checksum": self.checksum}, arrays)) + sum(a.nbytes for a in arrays.values())
 
     def to_bytes(self) -> bytes:
         if self.on_device:
@@ -241,16 +170,6 @@ class SyncPayload:
         if got != self.checksum:
             raise PayloadError(f"checksum mismatch for {self.kind} version {self.version}: payload says "
                                f"{self.checksum[:16]}…, content hashes to {got[:16]}…")
-
-
-def payload_checksum(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
-    """BLAKE2b-256 hex digest of canonical JSON `meta` and, in name order, each array's name, dtype, shape, bytes."""
-    h = hashlib.blake2b(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode(), digest_size=32)
-    for name in sorted(arrays):
-        a = _contiguous(arrays[name])
-        h.update(json.dumps([name, a.dtype.name, list(a.shape)]).encode())
-        h.update(a.reshape(-1).view(np.uint8).data)
-    return h.hexdigest()
 
 
 def _sealed(**fields: Any) -> SyncPayload:

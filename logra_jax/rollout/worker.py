@@ -6,11 +6,14 @@ trainer's by the payloads of logra_jax.rollout.sync) and the engine around them,
 Both transports expose the same calls: sync(payload | bytes) -> SyncReply; generate(prompts, prompt_mask, key,
 config=None) -> Rollout (logra_jax.rollout.slots, on the engine's current weights); fetch() -> (version, {path:
 array}); counts(); close().
-The worker (`python -m logra_jax.rollout.worker --connect HOST:PORT`) connects back to a loopback socket the
-trainer listens on, receives the model and sampling configs and the JAX numerics flags that must match the
-trainer's (default matmul precision, threefry partitioning, x64), then serves one request at a time. Frames:
-u64 little-endian length, an op byte, a body framed by `logra_jax.rollout.sync.pack` (a sync carries the payload's own
-bytes); replies are packed {"ok": ...} frames. The worker runs on the trainer's platform by default (bitwise sync
+The worker (`python -m logra_jax.rollout.worker --connect HOST:PORT --secret-stdin`) connects back to a loopback
+socket the trainer listens on, proves it holds the run's secret (read from its stdin, or from the environment
+variable LOGRA_ROLLOUT_SECRET; never from its command line), receives the model and sampling configs and the JAX
+numerics flags that must match the trainer's (default matmul precision, threefry partitioning, x64), then serves one
+request at a time. Frames are `logra_jax.rollout.wire.Channel`'s keyed frames (a stranger that connects first is
+refused and logged; a forged or replayed frame is refused before it is read, and closes the connection): an op
+byte and a body framed by `logra_jax.rollout.wire.pack` (a sync carries the payload's own bytes); replies are
+packed {"ok": ...} frames. The worker runs on the trainer's platform by default (bitwise sync
 needs the same backend on both ends) and, on CPU, on one device whatever XLA_FLAGS asked for.
 """
 
@@ -22,7 +25,6 @@ import os
 import re
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -43,7 +45,19 @@ from logra_jax.models.decoder import abstract_model
 from logra_jax.optim.lowrank import apply_updates
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.slots import Sampler
-from logra_jax.rollout.sync import PayloadError, SyncPayload, SyncReply, flat_params, pack, unpack
+from logra_jax.rollout.sync import SyncPayload, SyncReply, flat_params
+from logra_jax.rollout.wire import (
+    Channel,
+    FrameError,
+    PayloadError,
+    accept_engine,
+    check_secret,
+    client_handshake,
+    new_secret,
+    pack,
+    secret_from_env,
+    unpack,
+)
 from logra_jax.tree_paths import path_str
 
 _OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
@@ -217,28 +231,6 @@ class InProcessTransport(RolloutWorker):
     on_device = True
 
 
-def _send(sock: socket.socket, op: bytes, body: bytes | memoryview = b"") -> None:
-    sock.sendall(struct.pack("<Q", len(body) + 1) + op)
-    sock.sendall(body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> memoryview:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError(f"peer closed the connection ({got} of {n} bytes received)")
-        got += k
-    return view
-
-
-def _recv(sock: socket.socket) -> tuple[bytes, memoryview]:
-    (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
-    frame = _recv_exact(sock, size)
-    return bytes(frame[:1]), frame[1:]
-
-
 def _key_arrays(key: jax.Array) -> tuple[str | None, np.ndarray]:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return str(jax.random.key_impl(key)), np.asarray(jax.random.key_data(key))
@@ -264,6 +256,8 @@ class WorkerProcessTransport:
       env: extra environment variables for the worker (e.g. CUDA_VISIBLE_DEVICES to give it its own GPU).
       start_timeout_s: how long the worker may take to connect and build its model.
       request_timeout_s: how long one request may take.
+      secret: the run's secret (`logra_jax.rollout.wire.new_secret`), handed to the worker through its stdin;
+        None draws one for this worker.
 
     Raises:
       WorkerError: the worker exits or does not come up within `start_timeout_s` (with its log).
@@ -280,43 +274,44 @@ class WorkerProcessTransport:
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, *, platform: str | None = None,
                  env: Mapping[str, str] | None = None, start_timeout_s: float = 120.0,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 600.0, secret: bytes | None = None):
         self.request_timeout_s = request_timeout_s
+        secret = new_secret() if secret is None else check_secret(secret, "WorkerProcessTransport")
         self._log = Path(tempfile.mkstemp(prefix="rollout_worker_", suffix=".log")[1])
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "logra_jax.rollout.worker", "--connect", f"127.0.0.1:{port}"],
-                env={**_worker_env(platform or jax.default_backend()), **(env or {})}, stdout=log,
-                stderr=subprocess.STDOUT)
+                [sys.executable, "-m", "logra_jax.rollout.worker", "--connect", f"127.0.0.1:{port}",
+                 "--secret-stdin"], env={**_worker_env(platform or jax.default_backend()), **(env or {})},
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
         self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
         try:
-            self._sock = self._accept(listener, start_timeout_s)
+            self._proc.stdin.write(secret.hex().encode() + b"\n")
+            self._proc.stdin.close()
+        except OSError:  # the worker died at once: _accept reports its log
+            pass
+        try:
+            self._chan: Channel | None = self._accept(listener, secret, start_timeout_s)
         finally:
             listener.close()
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._sock, self._log)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._chan.sock, self._log)
         flags = {name: getattr(jax.config, name) for name in _JAX_FLAGS}
         self._request("hello", pack({"model": dataclasses.asdict(model_config),
                                      "sampling": dataclasses.asdict(sampling), "jax_config": flags}, {}),
                       timeout_s=start_timeout_s)
 
-    def _accept(self, listener: socket.socket, timeout_s: float) -> socket.socket:
-        listener.settimeout(0.5)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def _accept(self, listener: socket.socket, secret: bytes, timeout_s: float) -> Channel:
+        def alive() -> None:
             if self._proc.poll() is not None:
                 raise WorkerError(f"rollout worker exited with code {self._proc.returncode} before connecting:\n"
                                   f"{self.log_tail()}")
-            try:
-                sock, _ = listener.accept()
-            except TimeoutError:
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        _stop(self._proc, None, None, grace_s=0.0)
-        raise WorkerError(f"rollout worker did not connect within {timeout_s} s:\n{self.log_tail()}")
+        try:
+            return accept_engine(listener, secret, timeout_s, alive=alive)
+        except TimeoutError:
+            _stop(self._proc, None, None, grace_s=0.0)
+            raise WorkerError(f"rollout worker did not connect within {timeout_s} s:\n{self.log_tail()}") from None
 
     @property
     def pid(self) -> int:
@@ -332,13 +327,13 @@ class WorkerProcessTransport:
 
     def _request(self, op: str, body: bytes | memoryview = b"", timeout_s: float | None = None
                  ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        if self._sock is None:
+        if self._chan is None:
             raise WorkerError("rollout worker transport is closed")
-        self._sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
+        self._chan.sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
         try:
-            _send(self._sock, _OPS[op], body)
-            _, reply = _recv(self._sock)
-        except (OSError, ConnectionError) as err:
+            self._chan.send(_OPS[op], body)
+            _, reply = self._chan.recv()
+        except (OSError, ConnectionError) as err:  # FrameError included: the stream cannot be trusted any more
             try:  # a worker that dropped the connection is usually on its way out: let it finish
                 code = self._proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
@@ -347,7 +342,7 @@ class WorkerProcessTransport:
             message = f"rollout worker {op!r} request failed ({err!r}); the worker {state}:\n{self.log_tail()}"
             self._proc.kill()  # the stream is out of step now: this transport is done
             self._finalizer()
-            self._sock = None
+            self._chan = None
             raise WorkerError(message) from err
         meta, arrays = unpack(reply)
         if not meta.get("ok"):
@@ -378,15 +373,15 @@ class WorkerProcessTransport:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to exit; kill it if it has not within `timeout_s`. Idempotent."""
-        if self._sock is not None:
+        if self._chan is not None:
             try:
-                self._sock.settimeout(timeout_s)
-                _send(self._sock, _OPS["shutdown"])
-                _recv(self._sock)
+                self._chan.sock.settimeout(timeout_s)
+                self._chan.send(_OPS["shutdown"])
+                self._chan.recv()
             except (OSError, ConnectionError):
                 pass
         self._finalizer()
-        self._sock = None
+        self._chan = None
 
     def __enter__(self) -> WorkerProcessTransport:
         return self
@@ -434,38 +429,45 @@ def _handle(worker: RolloutWorker | None, op: str, body: memoryview
     raise RuntimeError(f"unknown op {op!r}")
 
 
-def serve(sock: socket.socket) -> None:
-    """Answer requests on `sock` until a shutdown request or the trainer hangs up (the worker's main loop)."""
-    worker = None
+def serve(chan: Channel, worker: RolloutWorker | None = None) -> RolloutWorker | None:
+    """Answer requests on `chan` until a shutdown request, the trainer hanging up, or a frame that fails its tag
+    (refused unread, logged to stderr; the connection is closed) — the worker's main loop. `worker`: the engine
+    to serve (None: built by the trainer's hello request); returns it."""
     while True:
         try:
-            code, body = _recv(sock)
+            code, body = chan.recv()
+        except FrameError as err:
+            print(f"rollout worker: {err}; closing the connection", file=sys.stderr, flush=True)
+            return worker
         except ConnectionError:
-            return
+            return worker
         op = _OP_NAMES.get(code, repr(code))
         if op == "shutdown":
-            _send(sock, b"R", pack({"ok": True}, {}))
-            return
+            chan.send(b"R", pack({"ok": True}, {}))
+            return worker
         try:
             worker, meta, arrays = _handle(worker, op, body)
             reply = pack({"ok": True, **meta}, arrays)
         except Exception as err:  # reported to the trainer, which raises WorkerError; the worker keeps serving
             reply = pack({"ok": False, "error": repr(err), "traceback": traceback.format_exc()}, {})
-        _send(sock, b"R", reply)
+        chan.send(b"R", reply)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="LoGRA rollout worker (started by WorkerProcessTransport)")
     parser.add_argument("--connect", required=True, help="HOST:PORT the trainer listens on")
+    parser.add_argument("--secret-stdin", action="store_true",
+                        help="read the run secret (hex) from stdin; otherwise from $LOGRA_ROLLOUT_SECRET")
     args = parser.parse_args(argv)
+    secret = check_secret(bytes.fromhex(sys.stdin.readline().strip()), "stdin") if args.secret_stdin \
+        else secret_from_env()
     # Ctrl-C in a terminal reaches the whole process group: the trainer stops at its next step boundary and then
     # shuts this worker down itself, so the worker must not die under it mid-rollout.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     host, port = args.connect.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        serve(sock)
+        serve(client_handshake(sock, secret))
 
 
 if __name__ == "__main__":

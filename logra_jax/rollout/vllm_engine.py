@@ -1,0 +1,266 @@
+"""vLLM as the rollout engine, fed by low-rank sync (`rollout.engine = "vllm"`).
+
+`VLLMEngine` starts `python -m logra_jax.rollout.vllm_server` with the interpreter of the vLLM venv (`make
+venv-vllm`), on a Hugging Face folder of the job's model (`logra_jax.models.hf.export`, or the user's checkpoint),
+and drives it over the keyed channel of logra_jax.rollout.wire (the run secret goes to it through its stdin). It
+answers the engine interface of logra_jax.rollout.engine:
+  publish(updates, params) -> SyncReport    the same payloads as the JAX worker (`PolicySync`): U and seeds, never
+                                            dense weights; the server merges them into float32 masters in torch
+                                            (logra_jax.rollout.vllm_ext) and reloads the changed tensors into vLLM;
+  generate(prompts, prompt_mask, key, config=None) -> Rollout;   resyncs; close().
+Drift check: after every `probe_every` publications the trainer sends, for `probe_entries` fixed random entries of
+every parameter, its float32 values; the server answers with its masters' and the engine sends a full snapshot when
+any differs by more than `probe_tolerance` · max|W| of its leaf (the bitwise fingerprint of the JAX worker does not
+apply: torch's U·A may round differently from XLA's).
+
+Log-probs: vLLM runs with `logprobs_mode="processed_logprobs"`, the log-probability of the sampled token under the
+distribution it was drawn from (after temperature, top-k and top-p). Without truncation (top_k = 0, top_p = 1)
+that is log softmax(z/τ), what our sampler returns; with truncation it is the renormalised truncated distribution
+(our sampler returns the tempered one before truncation). Either way it is the behaviour policy's probability, and
+the TIS cap corrects the remaining rollout/trainer mismatch (kernels, dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.hf import hf_tensor_names, rope_heads
+from logra_jax.rollout.sampling import Rollout, SamplingConfig
+from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params, snapshot_payload
+from logra_jax.rollout.wire import Channel, accept_engine, new_secret, pack, unpack
+from logra_jax.rollout.worker import WorkerError, _stop
+
+VLLM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMSettings:
+    """What the job passes through to vLLM (config.rollout.vllm).
+
+    Attributes:
+      python: the vLLM venv's interpreter (`make venv-vllm` makes .venv-vllm/bin/python).
+      tensor_parallel_size: vLLM's tensor-parallel degree.
+      gpu_memory_utilization: vLLM's memory fraction on a GPU (ignored by its CPU build).
+      dtype: the dtype vLLM holds and computes in ("float32", "bfloat16", "float16").
+      max_num_seqs: sequences vLLM decodes at once.
+      kv_cache_gib: VLLM_CPU_KVCACHE_SPACE for the CPU build (GiB).
+      devices: CUDA_VISIBLE_DEVICES for the engine ("" leaves it as it is).
+    """
+
+    python: str = ".venv-vllm/bin/python"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 256
+    kv_cache_gib: int = 2
+    devices: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "max_num_seqs", "kv_cache_gib"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config.rollout.vllm.{name} must be a positive integer, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"config.rollout.vllm.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"config.rollout.vllm.dtype must be one of {VLLM_DTYPES}, got {self.dtype!r}")
+
+
+def hf_table(config: ModelConfig) -> dict[str, list[Any]]:
+    """{parameter path: [HF name with "{i}", transposed?, RoPE heads or None, interleaved RoPE?]}: the export
+    mapping (logra_jax.models.hf) the server needs to turn masters into vLLM's checkpoint tensors."""
+    return {path: [name, transpose, rope_heads(name, config), config.rope_interleaved]
+            for path, name, transpose in hf_tensor_names(config)}
+
+
+class VLLMEngine:
+    """vLLM in its own process, fed by low-rank sync (see the module docstring).
+
+    Args:
+      model_config: the trainer's model config.
+      sampling: the rollout's sampling settings.
+      params: the trainer's weights (nnx.State of the Params) at `version`.
+      model_dir: a Hugging Face folder of this model (vLLM builds its model from it; weights come by snapshot).
+      settings: VLLMSettings.
+      version, trained: as `PolicySync`.
+      probe_every, probe_entries, probe_tolerance: the drift check (module docstring); probe_every=0 turns it off.
+      start_timeout_s, request_timeout_s: how long vLLM may take to come up, and one request.
+      secret: the run secret (None: a fresh one).
+
+    Raises:
+      WorkerError: the interpreter is missing, or vLLM exits or does not come up in time (with its log).
+    """
+
+    on_device = False
+
+    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, params: Any, *, model_dir: str | Path,
+                 settings: VLLMSettings = VLLMSettings(), version: int = 0, trained: Collection[str] = (),
+                 probe_every: int = 1, probe_entries: int = 64, probe_tolerance: float = 1e-4,
+                 start_timeout_s: float = 600.0, request_timeout_s: float = 1800.0, secret: bytes | None = None):
+        python = Path(settings.python)
+        if not python.is_file():
+            raise WorkerError(f"config.rollout.vllm.python = {str(python)!r} does not exist: run `make venv-vllm`")
+        if not Path(model_dir, "config.json").is_file():
+            raise ValueError(f"VLLMEngine: model_dir {str(model_dir)!r} holds no config.json (export the model "
+                             "with logra_jax.models.hf.export)")
+        self.sampling, self.settings = sampling, settings
+        self.request_timeout_s = request_timeout_s
+        self.probe_every, self.probe_tolerance = probe_every, probe_tolerance
+        secret = new_secret() if secret is None else secret
+        self._log = Path(tempfile.mkstemp(prefix="vllm_engine_", suffix=".log")[1])
+        listener = socket.create_server(("127.0.0.1", 0))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("XLA_FLAGS", None)
+        if settings.devices:
+            env["CUDA_VISIBLE_DEVICES"] = settings.devices
+        with self._log.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [str(python), "-m", "logra_jax.rollout.vllm_server", "--connect",
+                 f"127.0.0.1:{listener.getsockname()[1]}", "--secret-stdin"],
+                env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                cwd=Path(__file__).resolve().parents[2])
+        self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
+        try:
+            self._proc.stdin.write(secret.hex().encode() + b"\n")
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._chan: Channel | None = accept_engine(listener, secret, start_timeout_s, alive=self._alive)
+        except TimeoutError:
+            _stop(self._proc, None, None, grace_s=0.0)
+            raise WorkerError(f"vLLM engine did not connect within {start_timeout_s} s:\n{self.log_tail()}") from None
+        finally:
+            listener.close()
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._chan.sock, self._log)
+        flat = flat_params(params)
+        hello = {"model_dir": str(Path(model_dir).resolve()), "vllm": dataclasses.asdict(settings),
+                 "table": hf_table(model_config), "shapes": {p: list(a.shape) for p, a in flat.items()},
+                 "max_model_len": int(model_config.max_seq_len)}
+        self._request("hello", pack(hello, {}), timeout_s=start_timeout_s)
+        rng = np.random.default_rng(0)
+        self._probe_index = {p: np.sort(rng.choice(a.size, min(probe_entries, a.size), replace=False))
+                             for p, a in flat.items()}
+        self.sync = PolicySync(self._sync, params, version=version, trained=trained)
+        self.probe_resyncs = 0
+        self.last_drift: dict[str, float] = {}
+
+    def _alive(self) -> None:
+        if self._proc.poll() is not None:
+            raise WorkerError(f"vLLM engine exited with code {self._proc.returncode} before connecting:\n"
+                              f"{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def resyncs(self) -> int:
+        return self.sync.resyncs + self.probe_resyncs
+
+    def log_tail(self, chars: int = 6000) -> str:
+        """The end of the vLLM process's log."""
+        try:
+            return self._log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def _request(self, op: str, body: bytes | memoryview = b"", timeout_s: float | None = None
+                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        if self._chan is None:
+            raise WorkerError("vLLM engine is closed")
+        self._chan.sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
+        try:
+            self._chan.send(op[:1].upper().encode(), body)
+            _, reply = self._chan.recv()
+        except (OSError, ConnectionError) as err:
+            self._proc.kill()
+            self._finalizer()
+            self._chan = None
+            raise WorkerError(f"vLLM engine {op!r} request failed ({err!r}):\n{self.log_tail()}") from err
+        meta, arrays = unpack(reply)
+        if not meta.get("ok"):
+            raise WorkerError(f"vLLM engine {op!r} request failed: {meta.get('error')}\n{meta.get('traceback')}")
+        return meta, arrays
+
+    def _sync(self, payload: Any) -> SyncReply:
+        data = payload.to_bytes() if not isinstance(payload, (bytes, bytearray, memoryview)) else payload
+        meta, _ = self._request("sync", data)
+        return SyncReply(meta["status"], meta["version"], meta["reason"], meta["seconds"])
+
+    def publish(self, updates: Any, params: Any) -> SyncReport:
+        """Push the update as a delta; every `probe_every` publications check drift and resync past tolerance."""
+        report = self.sync.push(updates, params)
+        if self.probe_every and self.sync.version % self.probe_every == 0:
+            start = time.perf_counter()
+            self.last_drift = self.drift(params)
+            leaf_max = {p: float(np.abs(v).max()) for p, v in self._trainer_probe(params).items()}
+            over = [p for p, d in self.last_drift.items() if d > self.probe_tolerance * max(leaf_max[p], 1e-30)]
+            if over:
+                self.probe_resyncs += 1
+                snap = self.sync.send(snapshot_payload(params, self.sync.version), params, start)
+                return report._replace(nbytes=report.nbytes + snap.nbytes, seconds=report.seconds + snap.seconds,
+                                       reply=snap.reply, resync_reason=f"drift past tolerance in {over[:3]}")
+        return report
+
+    def _trainer_probe(self, params: Any) -> dict[str, np.ndarray]:
+        flat = flat_params(params)
+        return jax.device_get({p: jnp.asarray(flat[p]).reshape(-1)[i] for p, i in self._probe_index.items()})
+
+    def drift(self, params: Any) -> dict[str, float]:
+        """{path: max |W_engine − W_trainer|} over the probed entries (float32 masters on the engine side)."""
+        ours = self._trainer_probe(params)
+        _, theirs = self._request("probe", pack({}, {p: i.astype(np.int32) for p, i in self._probe_index.items()}))
+        return {p: float(np.abs(theirs[p].astype(np.float64) - ours[p].astype(np.float64)).max()) for p in ours}
+
+    def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
+        """(version, {path: float32 master}) of the engine's masters (for drift measurements)."""
+        meta, arrays = self._request("fetch")
+        return meta["version"], {p: np.array(a) for p, a in arrays.items()}
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
+        """Sample with vLLM (config: other sampling settings, e.g. greedy); rows as our sampler's (prompt-major)."""
+        config = config or self.sampling
+        data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        seed = int(np.asarray(data, np.uint32).reshape(-1)[-1])
+        body = pack({"sampling": dataclasses.asdict(config), "seed": seed},
+                    {"prompts": np.asarray(prompts, np.int32), "prompt_mask": np.asarray(prompt_mask, bool)})
+        _, arrays = self._request("generate", body)
+        return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask vLLM to exit; kill it if it has not within `timeout_s`. Idempotent."""
+        if self._chan is not None:
+            try:
+                self._chan.sock.settimeout(timeout_s)
+                self._chan.send(b"Q")
+                self._chan.recv()
+            except (OSError, ConnectionError):
+                pass
+        self._finalizer()
+        self._chan = None
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+

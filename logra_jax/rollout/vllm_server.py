@@ -1,0 +1,143 @@
+"""The vLLM engine process: `python -m logra_jax.rollout.vllm_server --connect HOST:PORT --secret-stdin`, run with
+the vLLM venv's interpreter by `logra_jax.rollout.vllm_engine.VLLMEngine` (no JAX here).
+
+It proves the run secret to the trainer (logra_jax.rollout.wire), builds `vllm.LLM` on the model folder the hello
+names (weights then come by snapshot), and serves one request at a time: sync (payload bytes → TorchMasters →
+changed tensors reloaded into vLLM), generate (token-id prompts → Rollout arrays), probe, fetch, shutdown.
+Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (tensors are handed to the worker extension in process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+from logra_jax.rollout.vllm_ext import TorchMasters, hf_tensors
+from logra_jax.rollout.wire import Channel, FrameError, check_secret, client_handshake, pack, secret_from_env, unpack
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Server:
+    """vLLM plus the float32 masters it is rebuilt from."""
+
+    def __init__(self, hello: dict[str, Any]):
+        from vllm import LLM  # imported here: a second of start-up only where vLLM runs
+
+        settings = hello["vllm"]
+        self.dtype = _TORCH_DTYPES[settings["dtype"]]
+        self.table = hello["table"]
+        self.llm = LLM(model=hello["model_dir"], dtype=settings["dtype"],
+                       tensor_parallel_size=settings["tensor_parallel_size"],
+                       gpu_memory_utilization=settings["gpu_memory_utilization"],
+                       max_num_seqs=settings["max_num_seqs"], max_model_len=hello["max_model_len"],
+                       enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
+                       worker_extension_cls="logra_jax.rollout.vllm_ext.LograWorkerExtension")
+        self.masters = TorchMasters(hello["shapes"])
+
+    def sync(self, body: memoryview) -> dict[str, Any]:
+        reply, changed = self.masters.receive(body)
+        if changed:
+            tensors = [(name, t.to(self.dtype)) for p in changed if p in self.table
+                       for name, t in hf_tensors(self.table, p, self.masters.params[p])]
+            self.llm.collective_rpc("logra_reload", args=(tensors,))
+        return reply
+
+    def generate(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from vllm import SamplingParams, TokensPrompt
+
+        s = meta["sampling"]
+        prompts, mask = arrays["prompts"], arrays["prompt_mask"]
+        n, new = int(s["num_samples"]), int(s["max_new_tokens"])
+        greedy = s["temperature"] == 0
+        # vLLM seeds sample j of a request with seed + j: requests b·n apart never share a stream
+        params = [SamplingParams(n=n, temperature=float(s["temperature"]), top_k=int(s["top_k"]) or 0,
+                                 top_p=1.0 if greedy else float(s["top_p"]), max_tokens=new, logprobs=0,
+                                 stop_token_ids=[int(s["eos_id"])], ignore_eos=False, detokenize=False,
+                                 seed=(int(meta["seed"]) * 1_000_003 + b * n) % (1 << 31))
+                  for b in range(len(prompts))]
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in row[m]]) for row, m in zip(prompts, mask)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        rows = len(prompts) * n
+        tokens = np.full((rows, prompts.shape[1] + new), int(s["pad_id"]), np.int32)
+        logprobs = np.zeros((rows, new), np.float32)
+        lengths = np.zeros(rows, np.int32)
+        finished = np.zeros(rows, bool)
+        for b, out in enumerate(outputs):
+            for j, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                r = b * n + j
+                ids = list(completion.token_ids)[:new]
+                tokens[r, :prompts.shape[1]] = prompts[b]
+                tokens[r, prompts.shape[1]:prompts.shape[1] + len(ids)] = ids
+                for t, (tok, entry) in enumerate(zip(ids, completion.logprobs or [])):
+                    logprobs[r, t] = entry[tok].logprob
+                lengths[r] = len(ids)
+                finished[r] = bool(ids) and ids[-1] == int(s["eos_id"])
+        return {"tokens": tokens, "prompt_mask": np.repeat(mask, n, axis=0),
+                "response_mask": np.arange(new)[None, :] < lengths[:, None], "logprobs": logprobs,
+                "lengths": lengths, "finished": finished}
+
+
+def _handle(server: Server | None, op: bytes, body: memoryview) -> tuple[Server | None, dict[str, Any], dict]:
+    if op == b"H":
+        return Server(unpack(body)[0]), {}, {}
+    if server is None:
+        raise RuntimeError(f"request {op!r} before hello")
+    if op == b"S":
+        return server, server.sync(body), {}
+    if op == b"G":
+        return server, {}, server.generate(*unpack(body))
+    if op == b"P":
+        return server, {}, server.masters.probe(unpack(body)[1])
+    if op == b"F":
+        params = server.masters.params or {}
+        return server, {"version": server.masters.version}, {p: t.numpy() for p, t in params.items()}
+    raise RuntimeError(f"unknown op {op!r}")
+
+
+def serve(chan: Channel) -> None:
+    """Answer requests until shutdown, hang-up, or a frame failing its tag (refused unread; connection closed)."""
+    server = None
+    while True:
+        try:
+            op, body = chan.recv()
+        except FrameError as err:
+            print(f"vllm engine: {err}; closing the connection", file=sys.stderr, flush=True)
+            return
+        except ConnectionError:
+            return
+        if op == b"Q":
+            chan.send(b"R", pack({"ok": True}, {}))
+            return
+        try:
+            server, meta, arrays = _handle(server, op, body)
+            reply = pack({"ok": True, **meta}, arrays)
+        except Exception as err:  # reported to the trainer, which raises WorkerError
+            reply = pack({"ok": False, "error": repr(err), "traceback": traceback.format_exc()}, {})
+        chan.send(b"R", reply)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="LoGRA vLLM rollout engine (started by VLLMEngine)")
+    parser.add_argument("--connect", required=True, help="HOST:PORT the trainer listens on")
+    parser.add_argument("--secret-stdin", action="store_true",
+                        help="read the run secret (hex) from stdin; otherwise from $LOGRA_ROLLOUT_SECRET")
+    args = parser.parse_args(argv)
+    secret = check_secret(bytes.fromhex(sys.stdin.readline().strip()), "stdin") if args.secret_stdin \
+        else secret_from_env()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer shuts us down at its next step boundary
+    host, port = args.connect.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        serve(client_handshake(sock, secret))
+
+
+if __name__ == "__main__":
+    main()
