@@ -180,7 +180,10 @@ class RolloutSection:
     cache holds `slots` rows; 0 = every row at once; `python -m logra_jax.plan` says when the rollout needs fewer);
     decode_steps: decode steps between two refills; length_buckets: decode attends over the filled part of the
     cache in this many length steps; decode_tensor: t, the colocated engine's tensor-parallel group (its weights
-    split over t devices, replicated over the n / t groups; 0 = chosen from the model and the devices)."""
+    split over t devices, replicated over the n / t groups; 0 = chosen from the model and the devices).
+    engine: "jax" (ours, colocated or a worker process by `workers`) or "vllm" (vLLM in its own process from the
+    venv of `make venv-vllm`, fed by low-rank sync); vllm_*: what the job passes to vLLM (its interpreter, tensor
+    parallel size, GPU memory fraction, dtype, max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES)."""
 
     prompts_per_step: int = 16
     num_samples: int = 4
@@ -193,6 +196,14 @@ class RolloutSection:
     decode_steps: int = 8
     length_buckets: int = 4
     decode_tensor: int = 0
+    engine: str = "jax"
+    vllm_python: str = ".venv-vllm/bin/python"
+    vllm_tensor_parallel: int = 1
+    vllm_memory_fraction: float = 0.3
+    vllm_dtype: str = "bfloat16"
+    vllm_max_seqs: int = 256
+    vllm_kv_cache_gib: int = 2
+    vllm_devices: str = ""
 
     def sampling(self, eos_id: int, pad_id: int, *, greedy: bool = False) -> SamplingConfig:
         """The sampler's settings for a tokenizer's eos/pad ids; greedy: one temperature-0 response per prompt
@@ -217,6 +228,25 @@ class RolloutSection:
         _check_range("rollout", "decode_steps", self.decode_steps, 1)
         _check_range("rollout", "length_buckets", self.length_buckets, 1)
         _check_range("rollout", "decode_tensor", self.decode_tensor, 0)
+        _check_choice("rollout", "engine", self.engine, ("jax", "vllm"))
+        if self.engine == "vllm":
+            if self.workers:
+                _fail("rollout.workers", self.workers, "applies to rollout.engine='jax' (vLLM runs in its own "
+                      "process already): leave it 0")
+            self.vllm_settings()
+
+    def vllm_settings(self) -> Any:
+        """The vLLM engine's settings (logra_jax.rollout.vllm_engine.VLLMSettings) from the vllm_* fields.
+
+        Raises:
+          ValueError: a vllm_* field VLLMSettings rejects (named config.rollout.vllm_<field>).
+        """
+        from logra_jax.rollout.vllm_engine import VLLMSettings
+
+        return VLLMSettings(python=self.vllm_python, tensor_parallel_size=self.vllm_tensor_parallel,
+                            gpu_memory_utilization=self.vllm_memory_fraction, dtype=self.vllm_dtype,
+                            max_num_seqs=self.vllm_max_seqs, kv_cache_gib=self.vllm_kv_cache_gib,
+                            devices=self.vllm_devices)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,7 @@ with requires_extra("rl", "logra_jax.train"):
         write_json_atomic,
     )
     from logra_jax.models import LoadStats
+    from logra_jax.models.hf import export
     from logra_jax.optimizers import check_optimizer_fits
     from logra_jax.phases import Trainer, job_mesh, reference_logprobs
     from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
@@ -174,6 +175,9 @@ def _check_devices(run: RunConfig) -> None:
         raise ValueError(f"config.rollout.workers = {run.rollout.workers}: a separate rollout worker process is "
                          f"for single-process runs; with {processes} processes use rollout.workers = 0 (the "
                          "colocated engine on the global mesh)")
+    if processes > 1 and run.rollout.engine == "vllm":
+        raise ValueError("config.rollout.engine = 'vllm': the vLLM engine serves single-process runs; with "
+                         f"{processes} processes use rollout.engine = 'jax'")
 
 
 def _log_finished(log: metrics_lib.Logger, workdir: Path, summary: dict[str, Any], evidence: str) -> None:
@@ -413,10 +417,14 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
         ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
         ref_logprobs = lambda b: ref_fn(ref_params, rest, {k: b[k] for k in ("tokens", "attention_mask")})
     tokenizer = job.tokenizer
+    vllm = {}
+    if run.rollout.engine == "vllm":  # vLLM builds its model from a Hugging Face folder; weights then come by sync
+        folder = export(trainer.model(state.params, rest), None, workdir / "vllm_model", overwrite=True)
+        vllm = {"vllm": run.rollout.vllm_settings(), "model_dir": str(folder)}
     engine = rollout_engine(run.rollout.workers, trainer.model().config,
                             run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), mesh, state.params, rest,
                             version=int(state.step), trained=trainer.plan.dense_paths(state.params),
-                            decode_tensor=run.rollout.decode_tensor)
+                            decode_tensor=run.rollout.decode_tensor, **vllm)
     opened.append(engine)
     greedy = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
     t = _Trainer(job, state, rest, estimator, est_state, trainer.plan, step_fn,

@@ -69,6 +69,15 @@ FIELD_MEANINGS: dict[str, str] = {
     "rollout.decode_steps": "Decode steps the engine runs between two looks at which rows finished (refills).",
     "rollout.length_buckets": "Decode attends over the filled part of the KV cache, in this many length steps "
                               "(one compiled decode step per step used).",
+    "rollout.engine": "`jax`: our engine (colocated or a worker process, by `workers`); `vllm`: vLLM in its own "
+                      "process from `make venv-vllm`'s venv, fed by low-rank sync (single-process runs).",
+    "rollout.vllm_python": "The vLLM venv's interpreter (`make venv-vllm` makes `.venv-vllm/bin/python`).",
+    "rollout.vllm_tensor_parallel": "vLLM's tensor-parallel size.",
+    "rollout.vllm_memory_fraction": "vLLM's GPU memory fraction (its CPU build ignores it).",
+    "rollout.vllm_dtype": "The dtype vLLM holds and computes in: float32, bfloat16 or float16.",
+    "rollout.vllm_max_seqs": "Sequences vLLM decodes at once.",
+    "rollout.vllm_kv_cache_gib": "vLLM's CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).",
+    "rollout.vllm_devices": "CUDA_VISIBLE_DEVICES for vLLM (empty: unchanged).",
     "rollout.decode_tensor": "The colocated engine's tensor-parallel group size t: its compute-dtype weights are "
                              "split over t devices and replicated over the n / t groups, each decoding its own "
                              "slots; 0 = chosen from the model and the devices.",

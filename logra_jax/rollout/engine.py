@@ -246,14 +246,20 @@ class WorkerEngine:
 
 def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any,
                    rest: Any, *, version: int = 0, trained: Collection[str] = (), decode_tensor: int = 0,
-                   hbm_bytes: float | None = None, **worker_options: Any) -> ColocatedEngine | WorkerEngine:
-    """The engine for `config.rollout.workers`: 0 = colocated (`ColocatedEngine`, decode layout with
-    t = decode_tensor), 1 = a worker process fed by low-rank payloads (`WorkerEngine`; worker_options go to
-    `WorkerProcessTransport`).
+                   hbm_bytes: float | None = None, vllm: Any = None, model_dir: str | None = None,
+                   **worker_options: Any) -> Any:
+    """The engine for `config.rollout`: with `vllm` (its VLLMSettings) vLLM in its own process on the Hugging Face
+    folder `model_dir`, fed by low-rank payloads (`logra_jax.rollout.vllm_engine.VLLMEngine`); else by `workers`:
+    0 = colocated (`ColocatedEngine`, decode layout with t = decode_tensor), 1 = a worker process fed by low-rank
+    payloads (`WorkerEngine`; worker_options go to `WorkerProcessTransport`).
 
     Raises:
       ValueError: another `workers` value, or worker options for the colocated engine (named).
     """
+    if vllm is not None:
+        from logra_jax.rollout.vllm_engine import VLLMEngine
+        return VLLMEngine(model_config, sampling, params, model_dir=model_dir, settings=vllm, version=version,
+                          trained=trained)
     if workers == 0:
         if worker_options:
             raise ValueError(f"rollout_engine: options {sorted(worker_options)} only apply to workers=1")

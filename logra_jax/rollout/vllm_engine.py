@@ -47,9 +47,13 @@ from logra_jax.rollout.worker import WorkerError, _stop
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
 
 
+# VLLMSettings field → its config field (config.rollout.vllm_<name>).
+_FIELDS = {"tensor_parallel_size": "tensor_parallel", "max_num_seqs": "max_seqs", "kv_cache_gib": "kv_cache_gib"}
+
+
 @dataclasses.dataclass(frozen=True)
 class VLLMSettings:
-    """What the job passes through to vLLM (config.rollout.vllm).
+    """What the job passes through to vLLM (config.rollout.vllm_*).
 
     Attributes:
       python: the vLLM venv's interpreter (`make venv-vllm` makes .venv-vllm/bin/python).
@@ -73,12 +77,12 @@ class VLLMSettings:
         for name in ("tensor_parallel_size", "max_num_seqs", "kv_cache_gib"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config.rollout.vllm.{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"config.rollout.vllm_{_FIELDS[name]} must be a positive integer, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"config.rollout.vllm.gpu_memory_utilization must be in (0, 1], got "
+            raise ValueError(f"config.rollout.vllm_memory_fraction must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
         if self.dtype not in VLLM_DTYPES:
-            raise ValueError(f"config.rollout.vllm.dtype must be one of {VLLM_DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"config.rollout.vllm_dtype must be one of {VLLM_DTYPES}, got {self.dtype!r}")
 
 
 def hf_table(config: ModelConfig) -> dict[str, list[Any]]:
@@ -114,7 +118,7 @@ class VLLMEngine:
                  start_timeout_s: float = 600.0, request_timeout_s: float = 1800.0, secret: bytes | None = None):
         python = Path(settings.python)
         if not python.is_file():
-            raise WorkerError(f"config.rollout.vllm.python = {str(python)!r} does not exist: run `make venv-vllm`")
+            raise WorkerError(f"config.rollout.vllm_python = {str(python)!r} does not exist: run `make venv-vllm`")
         if not Path(model_dir, "config.json").is_file():
             raise ValueError(f"VLLMEngine: model_dir {str(model_dir)!r} holds no config.json (export the model "
                              "with logra_jax.models.hf.export)")
