@@ -1,6 +1,7 @@
 """The blocks the TPU kernels choose compile for each real chip at each real shape; the GPU kernels compile too.
 
 Runs only where the target's compiler is installed (skipped, with the command that creates it, elsewhere):
+`make test-aot` runs it under both compile-only venvs (before a kernel change lands), or one of them:
   JAX_PLATFORMS=cpu .venv-tpu/bin/python -m pytest -q tests/kernels/test_kernel_aot.py    # make venv-tpu
   JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q tests/kernels/test_kernel_aot.py   # make venv-cuda
 Every projection of the 1.5B, 7B and 27B-class presets (T = 4096, r ∈ {64, 256}, bf16 activations, fp32
