@@ -115,8 +115,8 @@ def _carry_and_blend(draw: _Draw, m: jax.Array, d: jax.Array, b1: jax.Array, old
                      new_step: jax.Array, digests: jax.Array) -> jax.Array:
     """β₁·M·T + (1 − β₁)·D when the draw step changed (the transfer of the module docstring), else β₁·M + (1 − β₁)·D.
     The blend is inside both branches, so the cond's result is the new state itself: a cond around the transfer
-    alone returned a second full-size M (+0.33 GiB at 7B@4). Jitted whole, so that eager use compiles once per
-    target geometry."""
+    alone returns a second full-size M beside the state. Jitted whole, so that eager use compiles once per target
+    geometry."""
     return jax.lax.cond(old_step != new_step, lambda m: _blend(_transfer(draw, m, old_step, new_step, digests), d, b1),
                         lambda m: _blend(m, d, b1), m)
 
