@@ -44,6 +44,7 @@ from logra_jax.kernels.backend import (
     pallas_target,
     per_device,
     split,
+    warn_once,
     zero_outside,
 )
 
@@ -423,8 +424,14 @@ class _PallasConfig:
         return per_device(run, mesh, (tokens, tokens, whole), (tokens, whole))(h, p, kernel)
 
     def _mesh(self, rows: jax.Array) -> jax.sharding.Mesh | None:
-        """The mesh to run per device on: when there is one of > 1 device and the token rows split evenly."""
-        if self.mesh is None or self.mesh.size == 1 or rows.shape[0] % self.mesh.size:
+        """The mesh to run per device on: when there is one of > 1 device and the token rows split evenly (else
+        the kernels run on whole arrays, which a warning says once)."""
+        if self.mesh is None or self.mesh.size == 1:
+            return None
+        if rows.shape[0] % self.mesh.size:
+            warn_once(f"sketched_linear: implementation='pallas' in a step sharded over {self.mesh.size} devices "
+                      f"runs the kernels per device on token rows, but {rows.shape[0]} rows do not divide: they "
+                      "run on the whole (gathered) arrays")
             return None
         return self.mesh
 

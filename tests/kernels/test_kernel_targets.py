@@ -183,3 +183,25 @@ def test_pallas_runs_per_device_inside_a_sharded_step():
     p_sum = np.einsum("btk,rk->r", x, a)
     np.testing.assert_allclose(sketch, np.broadcast_to(p_sum, (24, 8)), rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(merged, kernel + a.T @ s.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pallas_kernel_that_cannot_split_over_the_mesh_says_so_once(monkeypatch):
+    """In a sharded step the kernels run per device on a split of d (merge) or of the token rows (the sketched
+    layer); where it does not divide they run on whole, gathered arrays: right, but never silently."""
+    import warnings
+
+    monkeypatch.setattr(backend, "_WARNED", set())
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    kernel, factor, a = jnp.zeros((16, 12)), jnp.ones((12, 2)), jnp.ones((2, 16))  # d = 12 over 8 devices
+    merged = lambda *z: merge(*z, implementation="pallas", interpret=True)
+    with backend.compiling_for(mesh), pytest.warns(RuntimeWarning, match=r"merge: .* d = 12 does not divide"):
+        out = jax.jit(merged)(kernel, factor, a)
+    np.testing.assert_allclose(out, merge(kernel, factor, a))
+    x, probe = jnp.ones((12, 16)), jnp.zeros((12, 2))  # 12 token rows over 8 devices
+    layer = lambda x, p: sketched_linear(x, kernel, a, p, implementation="pallas", interpret=True).sum()
+    with backend.compiling_for(mesh), pytest.warns(RuntimeWarning, match="sketched_linear: .* 12 rows do not"):
+        jax.jit(jax.grad(layer, argnums=1)).trace(x, probe)
+    with backend.compiling_for(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")  # traced again (another function): said once already
+        jax.jit(lambda *z: merged(*z)).trace(kernel, factor, a)
+        jax.jit(jax.grad(lambda x, p: layer(x, p), argnums=1)).trace(x, probe)
