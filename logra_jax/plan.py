@@ -328,7 +328,7 @@ def _phase_kl_reference(job: _Job) -> PhaseBytes:
 
     run, mesh = job.run, job.mesh
     ref_fn = reference_logprobs(job.trainer, run, mesh, job.prompt_len)
-    rows = {k: v for k, v in job.trainer.step(run, mesh, job.prompt_len)[1].items()
+    rows = {k: v for k, v in job.trainer.rl_step(run, mesh, job.prompt_len).batch.items()
             if k in ("tokens", "attention_mask")}
     result = compiled_bytes(ref_fn, job.ref, job.trainer_rest, abstract_sharded(rows, batch_shardings(rows, mesh)))
     return _timed(job, "KL reference", result, job.alive("state", "engine"), "the reference policy's log-probs")
@@ -338,7 +338,7 @@ def _phase_train_step(job: _Job) -> PhaseBytes:
     from logra_jax.sharding import abstract_sharded, batch_shardings
 
     run, mesh = job.run, job.mesh
-    step_fn, batch, probe = job.trainer.step(run, mesh, job.prompt_len)
+    step_fn, batch, probe = job.trainer.rl_step(run, mesh, job.prompt_len)
     result = compiled_bytes(step_fn, job.state, job.trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
                             None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
     probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""

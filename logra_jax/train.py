@@ -339,7 +339,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
 
 
 @dataclasses.dataclass
-class _Trainer:
+class _LoopState:
     """The trainer phase's products, which the RL loop advances: the train state on the mesh (state, rest, the
     advantage estimator's state), the data iterator, the jitted step with its shardings, the KL reference, the
     rollout engine and its policy sync, and the held-out evaluation."""
@@ -380,7 +380,7 @@ class _Trainer:
 
 
 def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: list[int], workdir: Path,
-             log: metrics_lib.Logger, writer: Any, opened: list[Any]) -> _Trainer:
+             log: metrics_lib.Logger, writer: Any, opened: list[Any]) -> _LoopState:
     """Phase "trainer": the optimizer state created in its shards from the (donated) weights, or a checkpoint
     restored into abstract shapes (nothing materialised first); the KL reference (a copy of the starting weights
     on the mesh); the rollout engine (the colocated one keeps its weights in the trainer's shardings) fed by
@@ -408,7 +408,7 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
         (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
     job.model = None  # its weights are the state's now (donated), or were never read
     log(metrics_lib.describe_device_balance("the optimizer's init" if resume_step is None else "the restore"))
-    step_fn, batch_shapes, probe_shapes = trainer.step(run, mesh, prompt_len)
+    step_fn, batch_shapes, probe_shapes = trainer.rl_step(run, mesh, prompt_len)
     # Each process reads, samples and scores only the prompts of its own rows of every global batch.
     mine = _ProcessRows(run, mesh, prompt_len)
     data_iter = iter(job.tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
@@ -427,7 +427,7 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
                             decode_tensor=run.rollout.decode_tensor, **vllm)
     opened.append(engine)
     greedy = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
-    t = _Trainer(job, state, rest, estimator, est_state, trainer.plan, step_fn,
+    t = _LoopState(job, state, rest, estimator, est_state, trainer.plan, step_fn,
                  batch_shardings(batch_shapes, mesh),
                  None if probe_shapes is None else batch_shardings(probe_shapes, mesh), mine, data_iter,
                  ref_logprobs, engine, greedy, start=resume_step or 0)
@@ -443,7 +443,7 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
     return t
 
 
-def _rl_loop(run: RunConfig, job: _Start, t: _Trainer, log: metrics_lib.Logger, stop: StopRequests,
+def _rl_loop(run: RunConfig, job: _Start, t: _LoopState, log: metrics_lib.Logger, stop: StopRequests,
              reward_fn: RewardFn | None, ckpt: CheckpointManager, writer: Any, opened: list[Any]) -> None:
     """Phase "RL loop": per step, rollout → rewards → advantages → the jitted train step (KL probe) → policy
     sync → metrics (stop on a non-finite one) → periodic evaluation and checkpoint; a stop request checkpoints
@@ -536,7 +536,7 @@ def _rl_loop(run: RunConfig, job: _Start, t: _Trainer, log: metrics_lib.Logger, 
             raise RunPreempted(signum, step + 1)
 
 
-def _finish(run: RunConfig, workdir: Path, t: _Trainer, log: metrics_lib.Logger, writer: Any, opened: list[Any],
+def _finish(run: RunConfig, workdir: Path, t: _LoopState, log: metrics_lib.Logger, writer: Any, opened: list[Any],
             wall_start: float) -> dict[str, Any]:
     """Phase "finish": the held-out accuracy after RL, the last checkpoint and metrics closed, summary.json and
     the reward-curve PNG (process 0)."""

@@ -3,7 +3,7 @@
   python experiments/device/step_check.py --out step.json            # on the GPU (check.sh runs it)
   python experiments/device/step_check.py --out step.json --smoke    # tiny model on CPU (the tests), < 30 s
 
-Contenders (built as the training loop builds them: `logra_jax.memory_analysis.contender_sections` for the run
+Contenders (built as the training loop builds them: `experiments.contenders.contender_sections` for the run
 config's optimizer section, `build_rl_step` for the step, i.e. `build_optimizer` + `make_train_step` with the
 REINFORCE + TIS objective of `logra_jax.rl.objective`), in order of need should time run short:
   logra_sketch_native_kl         sketch-native LoGRA, rank 256, with the predicted-KL probe on 2 sequences
@@ -79,7 +79,7 @@ def settings(smoke: bool) -> dict[str, Any]:
 def model_config(s: dict[str, Any]) -> Any:
     """The paper's numerics (bf16 compute, fp32 weights, full remat, chunked attention); for "tiny" the same
     numerics and Qwen2 layout (q/k/v bias) at unit-test widths, attention chunks shorter than the sequence."""
-    from logra_jax.memory_analysis import paper_numerics
+    from experiments.contenders import paper_numerics
     from logra_jax.models.config import preset
 
     if s["model"] == "tiny":
@@ -163,8 +163,9 @@ def child(name: str, smoke: bool, steps: int, emit: Any) -> dict[str, Any]:
     import jax
     import optax
 
+    from experiments.contenders import contender_sections
     from logra_jax import sharding as shd
-    from logra_jax.memory_analysis import build_rl_step, contender_sections
+    from logra_jax.memory_analysis import build_rl_step
     from logra_jax.train_step import step_shardings
 
     s = settings(smoke)

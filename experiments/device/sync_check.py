@@ -4,7 +4,7 @@
   python experiments/device/sync_check.py --out sync.json --smoke    # tiny model (the tests, CPU), < 15 s
 
 What the training loop (logra_jax.train) does, on one device: the RL train step of sketch-native LoGRA with the
-predicted-KL probe (the run config's section from `logra_jax.memory_analysis.contender_sections`, rank 256, 2
+predicted-KL probe (the run config's section from `experiments.contenders.contender_sections`, rank 256, 2
 probe sequences; the step from `build_rl_step(..., return_updates=True)`, jitted with shardings and the state
 donated) on random rollout batches returns the update tree it merged (LowRankUpdate leaves for the targets);
 `PolicySync.push` turns it into the sync payload (bf16 factors, seed triples, weight fingerprint, checksum) and
@@ -96,9 +96,10 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
     import optax
     from flax import nnx
 
+    from experiments.contenders import contender_sections
     from logra_jax import sharding as shd
     from logra_jax.fingerprint import tree_fingerprint
-    from logra_jax.memory_analysis import build_rl_step, contender_sections
+    from logra_jax.memory_analysis import build_rl_step
     from logra_jax.models.decoder import init_model
     from logra_jax.optim.lowrank import is_lowrank
     from logra_jax.optimizers import build_optimizer

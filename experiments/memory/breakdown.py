@@ -42,12 +42,15 @@ import jax
 from flax import nnx
 
 from logra_jax import sharding as shd
-from logra_jax.memory_analysis import paper_numerics, rl_step_memory
+from logra_jax.memory_analysis import rl_step_memory
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: experiments.contenders
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run  # the memory table's setting: models, probes per device, sequence, rank
+
+from experiments.contenders import paper_numerics
 
 GIB = 2.0 ** 30
 CELLS = (("Qwen2.5-Math-7B", 4), ("Dense-27B", 4))

@@ -44,15 +44,18 @@ import concurrent.futures
 import dataclasses
 import json
 import multiprocessing
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: experiments.contenders
+from experiments.contenders import contender_sections, paper_numerics
 from logra_jax import aot
 from logra_jax import sharding as shd
-from logra_jax.memory_analysis import contender_sections, paper_numerics, rl_step_memory
+from logra_jax.memory_analysis import rl_step_memory
 from logra_jax.plan import parse_oom
 
 MODELS = {  # results key → preset

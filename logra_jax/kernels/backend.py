@@ -14,6 +14,10 @@ Both sets lower on this CPU machine (cross-lowering tests for "tpu" and "cuda");
 answers "pallas" only on platforms listed in `_VERIFIED_PALLAS_PLATFORMS`, where a run on the chip showed the
 kernels equal to their references and no slower than XLA (experiments/device/check.sh for GPUs).
 
+Inside a sharded step every kernel runs per device (`per_device`) on a split of its arrays; where the split does not
+divide, it runs on the whole, gathered arrays and says so once (`warn_once`). A kernel asked for by
+implementation="pallas" is never swapped for its XLA twin behind the caller's back: what it cannot run raises.
+
 Array sizes need not be multiples of the blocks: an edge block is partial. Rows or columns past the end of an
 array hold garbage (NaN in interpret mode), which is harmless where it only reaches output positions that are
 dropped on the write-back, and is zeroed with `zero_outside` where it would enter a reduction (TPU kernels); the
@@ -26,6 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -108,6 +113,17 @@ def compiling_for(devices: Any) -> Iterator[KernelTarget]:
 def current_mesh() -> jax.sharding.Mesh | None:
     """The mesh of the innermost `compiling_for(mesh)`; None outside one or when it was given bare devices."""
     return _MESH.get()
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """`message` as a RuntimeWarning the first time this process gives it (a kernel is traced again for every step
+    function and shape; the warning is not)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def per_device(fn: Any, mesh: jax.sharding.Mesh | None, in_specs: tuple, out_specs: Any) -> Any:

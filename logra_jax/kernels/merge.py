@@ -38,6 +38,7 @@ from logra_jax.kernels.backend import (
     per_device,
     round_factor,
     split,
+    warn_once,
 )
 
 _NT = (((1,), (1,)), ((), ()))  # a · bᵀ
@@ -144,4 +145,7 @@ def merge(kernel: jax.Array, factor: jax.Array, a: jax.Array, *, round_bf16: boo
     if mesh is not None and d % mesh.size == 0:
         return per_device(run, mesh, (split(mesh, 2, 1), split(mesh, 2, 0), PartitionSpec()), split(mesh, 2, 1))(
             kernel, factor, a)
+    if mesh is not None and mesh.size > 1:
+        warn_once(f"merge: implementation='pallas' in a step sharded over {mesh.size} devices splits K [k, d] along "
+                  f"d, but d = {d} does not divide: every device merges the whole K [{k}, {d}] (gathered)")
     return per_device(run, mesh, (PartitionSpec(),) * 3, PartitionSpec())(kernel, factor, a)

@@ -44,6 +44,7 @@ from logra_jax.kernels.backend import (
     pallas_target,
     per_device,
     split,
+    warn_once,
     zero_outside,
 )
 
@@ -231,13 +232,28 @@ def vmem_budget(target: KernelTarget) -> int:
     return (target.vmem_bytes or _UNLISTED_TPU_VMEM) * 7 // 8
 
 
-def _blocks_or_chosen(given: tuple[int | None, int | None, int | None], vmem: Callable[[int, int, int], int],
-                      shape: tuple[int, int, int], target: KernelTarget) -> tuple[int, int, int] | None:
-    """Blocks the caller gave (clipped to the axes), or those `choose_blocks` picks for the target's VMEM."""
-    if all(block is None for block in given):
-        return choose_blocks(vmem, shape, vmem_budget(target))
-    return tuple(fit_block(size, block_or(block, default))  # type: ignore[return-value]
-                 for size, block, default in zip(shape, given, DEFAULT_BLOCKS))
+def _blocks_or_chosen(where: str, given: tuple[int | None, int | None, int | None],
+                      vmem: Callable[[int, int, int], int], shape: tuple[int, int, int],
+                      target: KernelTarget) -> tuple[int, int, int]:
+    """Blocks the caller gave (clipped to the axes), or those `choose_blocks` picks for the target's VMEM.
+
+    Raises:
+      ValueError: no blocks fit (naming `where`, the shapes, the smallest footprint and the chip's budget): the
+        caller asked for the Pallas kernel, so it is never swapped for XLA behind its back.
+    """
+    if any(block is not None for block in given):
+        return tuple(fit_block(size, block_or(block, default))  # type: ignore[return-value]
+                     for size, block, default in zip(shape, given, DEFAULT_BLOCKS))
+    budget = vmem_budget(target)
+    blocks = choose_blocks(vmem, shape, budget)
+    if blocks is None:
+        smallest = tuple(fit_block(size, block) for size, block in zip(shape, _MIN_BLOCKS))
+        chip = target.device_kind or target.platform
+        raise ValueError(
+            f"{where}: no blocks fit the VMEM of {chip} for (T, d, k) = {shape}: even blocks {smallest} need "
+            f"{vmem(*smallest) / 2**20:.2f} MiB, {budget / 2**20:.2f} MiB are available (backward: S [d, r] float32 "
+            "stays resident). Use implementation='xla' for this model, or a smaller rank.")
+    return blocks
 
 
 def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: bool = False,
@@ -256,8 +272,10 @@ def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: b
       target: the chip compiled for (default `backend.current_target()`).
 
     Returns:
-      y [T, d] and P [T, r], both in x's dtype (float32 accumulation). If no blocks fit the chip's VMEM (none
-      of the shapes in experiments/kernels/aot), the XLA reference computes them instead.
+      y [T, d] and P [T, r], both in x's dtype (float32 accumulation).
+
+    Raises:
+      ValueError: blocks left to the choice and none fit the chip's VMEM (the XLA reference is never used instead).
 
     Example:
       >>> import jax.numpy as jnp
@@ -270,9 +288,7 @@ def fused_forward(x: jax.Array, kernel: jax.Array, a: jax.Array, *, interpret: b
     target = current_target() if target is None else target
     vmem = functools.partial(forward_vmem_bytes, r=r, x_bytes=_itemsize(x), k_bytes=_itemsize(kernel),
                              a_bytes=_itemsize(a))
-    blocks = _blocks_or_chosen((block_t, block_d, block_k), vmem, (t, d, k), target)
-    if blocks is None:
-        return fused_forward_reference(x, kernel, a)
+    blocks = _blocks_or_chosen("fused_forward", (block_t, block_d, block_k), vmem, (t, d, k), target)
     return _fused_forward(x, kernel, a, interpret=interpret, blocks=blocks, vmem_bytes=vmem(*blocks), target=target)
 
 
@@ -321,8 +337,11 @@ def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: 
       target: the chip compiled for (default `backend.current_target()`).
 
     Returns:
-      dX [T, k] in h's dtype and S [d, r] float32. If S and the smallest blocks do not fit the chip's VMEM
-      (TPU v4's 16 MiB at d·r ≥ 4 Mi), the XLA reference computes them instead.
+      dX [T, k] in h's dtype and S [d, r] float32.
+
+    Raises:
+      ValueError: blocks left to the choice and S with the smallest blocks does not fit the chip's VMEM (TPU v4's
+        16 MiB at d·r ≥ 4 Mi): use implementation='xla' there (the XLA reference is never used instead).
 
     Example:
       >>> import jax.numpy as jnp
@@ -335,9 +354,7 @@ def fused_backward(h: jax.Array, p: jax.Array, kernel: jax.Array, *, interpret: 
     target = current_target() if target is None else target
     vmem = functools.partial(backward_vmem_bytes, d=d, r=r, h_bytes=_itemsize(h), p_bytes=_itemsize(p),
                              k_bytes=_itemsize(kernel))
-    blocks = _blocks_or_chosen((block_t, block_d, block_k), vmem, (t, d, k), target)
-    if blocks is None:
-        return fused_backward_reference(h, p, kernel)
+    blocks = _blocks_or_chosen("fused_backward", (block_t, block_d, block_k), vmem, (t, d, k), target)
     return _fused_backward(h, p, kernel, interpret=interpret, blocks=blocks, vmem_bytes=vmem(*blocks),
                            target=target)
 
@@ -407,8 +424,14 @@ class _PallasConfig:
         return per_device(run, mesh, (tokens, tokens, whole), (tokens, whole))(h, p, kernel)
 
     def _mesh(self, rows: jax.Array) -> jax.sharding.Mesh | None:
-        """The mesh to run per device on: when there is one of > 1 device and the token rows split evenly."""
-        if self.mesh is None or self.mesh.size == 1 or rows.shape[0] % self.mesh.size:
+        """The mesh to run per device on: when there is one of > 1 device and the token rows split evenly (else
+        the kernels run on whole arrays, which a warning says once)."""
+        if self.mesh is None or self.mesh.size == 1:
+            return None
+        if rows.shape[0] % self.mesh.size:
+            warn_once(f"sketched_linear: implementation='pallas' in a step sharded over {self.mesh.size} devices "
+                      f"runs the kernels per device on token rows, but {rows.shape[0]} rows do not divide: they "
+                      "run on the whole (gathered) arrays")
             return None
         return self.mesh
 
@@ -460,7 +483,8 @@ def sketched_linear(x: jax.Array, kernel: jax.Array, a: jax.Array, probe: jax.Ar
 
     Raises:
       ValueError: unknown implementation, non-positive block sizes, shapes that do not chain
-        (x [..., k], kernel [k, d], a [r, k], probe [d, r]), or compiled Pallas on CPU.
+        (x [..., k], kernel [k, d], a [r, k], probe [d, r]), compiled Pallas on CPU, or (TPU, when traced) no
+        blocks of `fused_forward` / `fused_backward` that fit the chip's VMEM.
       NotImplementedError: compiled Pallas on a platform with no kernels (see logra_jax.kernels.backend).
 
     Example:

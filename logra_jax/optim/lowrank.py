@@ -257,8 +257,9 @@ class LowRankUpdate:
         rounded stochastically (`stochastic_round_bf16`: up or down with the probabilities that make the rounding
         unbiased), from a key of (seed, this update's step, the slice's path) apart from the projections' keys:
         every holder of the weights that applies the same update gets the same bits, and no update smaller than
-        bfloat16's spacing is lost on average. That rounding runs in XLA whatever the `implementation` (the
-        Pallas merge writes round-to-nearest). Without it a bfloat16 weight rounds to nearest, as optax does.
+        bfloat16's spacing is lost on average. With implementation "pallas" the merge kernel then forms the
+        float32 sum (the slice widened to float32 first) and the rounding follows in XLA. Without it a bfloat16
+        weight rounds to nearest, as optax does.
         """
         spec = self.spec
         self._check_weight(weight, "apply_updates")
@@ -379,8 +380,9 @@ def _merge(draw: _Draw, how: tuple[str, bool, bool], u: jax.Array, step: jax.Arr
         w_i = w[i]
         if decay is not None:
             w_i = (1.0 + decay.astype(jnp.float32)) * w_i.astype(jnp.float32)
-        if implementation == "pallas" and not stochastic:
-            merged = _slice_merge_kernel(draw, step, u[i], digests[i], w_i, interpret)
+        if implementation == "pallas":  # stochastic: the kernel sums in float32, the rounding follows in XLA
+            merged = _slice_merge_kernel(draw, step, u[i], digests[i],
+                                         w_i.astype(jnp.float32) if stochastic else w_i, interpret)
         else:
             merged = w_i.astype(jnp.float32) + _slice_delta(draw, step, u[i], digests[i])
         if stochastic:

@@ -115,8 +115,8 @@ def _carry_and_blend(draw: _Draw, m: jax.Array, d: jax.Array, b1: jax.Array, old
                      new_step: jax.Array, digests: jax.Array) -> jax.Array:
     """β₁·M·T + (1 − β₁)·D when the draw step changed (the transfer of the module docstring), else β₁·M + (1 − β₁)·D.
     The blend is inside both branches, so the cond's result is the new state itself: a cond around the transfer
-    alone returned a second full-size M (+0.33 GiB at 7B@4). Jitted whole, so that eager use compiles once per
-    target geometry."""
+    alone returns a second full-size M beside the state. Jitted whole, so that eager use compiles once per target
+    geometry."""
     return jax.lax.cond(old_step != new_step, lambda m: _blend(_transfer(draw, m, old_step, new_step, digests), d, b1),
                         lambda m: _blend(m, d, b1), m)
 
@@ -139,11 +139,12 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
       M ← β₁ · transfer(M) + (1 − β₁) · D_t,   out = M / (1 − β₁^τ)
 
     Acts on LowRankUpdate leaves (place after `scale_by_row_adam`, before the step size); other leaves pass
-    through. The projections come from each update's own SketchSpec (its `refresh` and `refresh_every` decide
-    when the transfer runs).
+    through. The projections come from each update's own SketchSpec; one `basis` (the draw step M is expressed
+    in) serves every target, so all updates must share the projection schedule (`refresh`, `refresh_every`) and
+    carry the one step of the sketch stage that made them.
 
     Args:
-      b1: β₁ in [0, 1); 0 passes D through unchanged (the state is kept, all zeros).
+      b1: β₁ in [0, 1); 0 passes D through unchanged (the state then holds the last D).
       rank: the sketch rank r (static; must equal the updates' rank).
       rules: the TargetRule sequence of the sketch (init finds the targets in the params with it).
 
@@ -152,7 +153,8 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
       target, placed like the weight rows when init gets concretely sharded parameters).
 
     Raises:
-      ValueError: b1 outside [0, 1); at update, a target without momentum or an update of another rank.
+      ValueError: b1 outside [0, 1); at update, a target without momentum, an update of another rank, or updates
+        whose specs schedule their projections differently (refresh, refresh_every; both targets named).
       TypeError: a rank that is not a positive int.
 
     Example:
@@ -186,6 +188,7 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
         del params, extra_args
         new_moments: dict[tuple[str, ...], jax.Array] = {}
         bases: list[jax.Array] = []
+        schedules: dict[tuple[bool, int], str] = {}  # (refresh, refresh_every) → the first target with it
         correction = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), (state.count + 1).astype(jnp.float32))
 
         def one(u: Any) -> Any:
@@ -195,6 +198,11 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
             if u.spec.rank != rank:
                 raise ValueError(f"scale_by_subspace_momentum: update for {u.target.path} has rank {u.spec.rank}, "
                                  f"this stage was built with rank={rank}")
+            schedules.setdefault((u.spec.refresh, u.spec.refresh_every), u.target.path)
+            if len(schedules) > 1:
+                (first, path), (other, _) = schedules.items()
+                raise ValueError(f"scale_by_subspace_momentum: one basis serves every target, but {path!r} has "
+                                 f"(refresh, refresh_every) = {first} and {u.target.path!r} {other}")
             m = _momentum_of(state.first_moment, u.target.keys, u.target.path)
             basis = u.spec.draw_step(u.step)
             spec, t = u.spec, u.target

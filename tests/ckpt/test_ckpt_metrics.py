@@ -1,10 +1,13 @@
 """logra_jax.metrics: JSONL + TensorBoard records, resume truncation, the non-finite guard, progress, memory, plots."""
 
+import gc
 import io
 import json
+import re
 import resource
 import struct
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +21,8 @@ from logra_jax.metrics import (
     Progress,
     _proc_status_bytes,
     check_finite,
+    describe_device_balance,
+    live_bytes_per_device,
     memory_stats,
     plot_curves,
     read_metrics,
@@ -258,3 +263,19 @@ def test_plot_curves_plots_the_recorded_values(tmp_path):
     assert fig.get_suptitle() == "demo"
     with pytest.raises(ValueError, match=r"holds 'kl' \(available: \['accuracy', 'eval_accuracy', 'reward_mean'\]"):
         plot_curves(tmp_path / "metrics.jsonl", ["kl"], out)
+
+
+def test_live_bytes_count_each_device_buffer_once():
+    """A sharded array's shards made into arrays (`shard.data`, which JAX keeps alive beside it) hold its own
+    buffers: each device counts its 1/8 once, and the arrays whole count the array once."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    whole = lambda: float(re.search(r"([\d.]+) MiB whole\)", describe_device_balance("a test"))[1])
+    gc.collect()
+    before, whole_before = live_bytes_per_device(), whole()
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    x = jax.device_put(jnp.ones((64, 1024), jnp.float32), rows)
+    views = [shard.data for shard in x.addressable_shards]
+    after = live_bytes_per_device()
+    assert {d: after[d] - before[d] for d in after} == dict.fromkeys(jax.local_devices(), 64 * 1024 * 4 // 8)
+    assert whole() - whole_before == pytest.approx(0.25, abs=0.011)  # MiB, as the line rounds them
+    del views

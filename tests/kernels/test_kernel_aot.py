@@ -1,6 +1,7 @@
 """The blocks the TPU kernels choose compile for each real chip at each real shape; the GPU kernels compile too.
 
 Runs only where the target's compiler is installed (skipped, with the command that creates it, elsewhere):
+`make test-aot` runs it under both compile-only venvs (before a kernel change lands), or one of them:
   JAX_PLATFORMS=cpu .venv-tpu/bin/python -m pytest -q tests/kernels/test_kernel_aot.py    # make venv-tpu
   JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q tests/kernels/test_kernel_aot.py   # make venv-cuda
 Every projection of the 1.5B, 7B and 27B-class presets (T = 4096, r ∈ {64, 256}, bf16 activations, fp32
@@ -52,10 +53,13 @@ def test_fused_kernels_compile_with_the_chosen_blocks(target, model):
                      "backward": (backward, (spec((T, d), bf16), spec((T, r), bf16), spec((k, d), f32)))}
             for name, (fn, args) in cases.items():
                 # conftest's "highest" default matmul precision has no bf16 Mosaic dot ("Bad lhs type")
-                with backend.compiling_for(device), jax.default_matmul_precision("default"):
-                    lowered = jax.jit(lambda *z, fn=fn: fn(*z)).lower(*args)
-                # a Pallas call, except where the TPU backward falls back to XLA (S [d, r] beyond v4's VMEM)
-                fallback = platform == "tpu" and name == "backward" and marker not in lowered.as_text()
-                assert not fallback or (target.startswith("v4") and d * r * 4 >= 12 << 20), (name, k, d, r)
+                try:
+                    with backend.compiling_for(device), jax.default_matmul_precision("default"):
+                        lowered = jax.jit(lambda *z, fn=fn: fn(*z)).lower(*args)
+                except ValueError as err:  # refused, never an XLA fallback: only S [d, r] beyond v4's VMEM
+                    assert "no blocks fit" in str(err), err
+                    assert name == "backward" and target.startswith("v4") and d * r * 4 >= 12 << 20, (name, k, d, r)
+                    continue
+                assert marker in lowered.as_text(), (name, k, d, r)  # a Pallas call
                 lowered.compile()
             jax.clear_caches()

@@ -20,6 +20,8 @@ from logra_jax.kernels.project import (
     choose_blocks,
     forward_vmem_bytes,
     fused_backward,
+    fused_forward,
+    sketched_linear,
     vmem_budget,
 )
 
@@ -87,16 +89,28 @@ def test_choose_blocks_halves_k_then_d_then_t():
     assert choose_blocks(vmem, (4096, 4096, 4096), 15 * 128 * 128) is None
 
 
-def test_fused_backward_falls_back_to_xla_where_s_cannot_stay_in_vmem():
-    # TPU v4 (16 MiB): S [16384, 256] float32 is 16 MiB alone; traced for v4 the kernel is not used.
+def test_the_fused_kernels_refuse_shapes_whose_blocks_do_not_fit_the_chip():
+    """Asked for the Pallas kernel, a shape that no blocks fit raises, naming the kernel, the chip and the way
+    out; it is never swapped for the XLA reference (which the backward was before)."""
+    # TPU v4 (16 MiB): S [16384, 256] float32 is 16 MiB alone.
     h, p, kernel = jnp.zeros((64, 16384), jnp.bfloat16), jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros((128, 16384))
     # A fresh function per target: jit's cache keys on the arguments (their shardings), not on the context.
-    with backend.compiling_for(V4):
-        text = jax.jit(lambda *z: fused_backward(*z)).trace(h, p, kernel).lower(lowering_platforms=("tpu",)).as_text()
-    assert "tpu_custom_call" not in text and "dot_general" in text
+    with backend.compiling_for(V4), pytest.raises(ValueError, match=r"fused_backward: no blocks fit the VMEM of "
+                                                                    r"TPU v4 .*implementation='xla'"):
+        jax.jit(lambda *z: fused_backward(*z)).trace(h, p, kernel)
     with backend.compiling_for(V5E):
         text = jax.jit(lambda *z: fused_backward(*z)).trace(h, p, kernel).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
+    # the forward: a projection so wide that A's smallest blocks alone exceed v5e's VMEM
+    x, k32, a = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((64, 128), (128, 128), (1 << 18, 128)))
+    with backend.compiling_for(V5E), pytest.raises(ValueError, match="fused_forward: no blocks fit the VMEM of "
+                                                                     "TPU v5 lite"):
+        jax.jit(lambda *z: fused_forward(*z)).trace(x, k32, a)
+    # through the layer with implementation="pallas" (the backward is traced by the gradient)
+    x, probe = jnp.zeros((64, 128), jnp.bfloat16), jnp.zeros((16384, 256))
+    layer = lambda x, probe: sketched_linear(x, kernel, jnp.zeros((256, 128)), probe, implementation="pallas").sum()
+    with backend.compiling_for(V4), pytest.raises(ValueError, match="fused_backward: no blocks fit"):
+        jax.jit(jax.grad(layer, argnums=1)).trace(x, probe)
 
 
 def test_merge_lowers_for_the_target_platform():
@@ -169,3 +183,25 @@ def test_pallas_runs_per_device_inside_a_sharded_step():
     p_sum = np.einsum("btk,rk->r", x, a)
     np.testing.assert_allclose(sketch, np.broadcast_to(p_sum, (24, 8)), rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(merged, kernel + a.T @ s.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pallas_kernel_that_cannot_split_over_the_mesh_says_so_once(monkeypatch):
+    """In a sharded step the kernels run per device on a split of d (merge) or of the token rows (the sketched
+    layer); where it does not divide they run on whole, gathered arrays: right, but never silently."""
+    import warnings
+
+    monkeypatch.setattr(backend, "_WARNED", set())
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    kernel, factor, a = jnp.zeros((16, 12)), jnp.ones((12, 2)), jnp.ones((2, 16))  # d = 12 over 8 devices
+    merged = lambda *z: merge(*z, implementation="pallas", interpret=True)
+    with backend.compiling_for(mesh), pytest.warns(RuntimeWarning, match=r"merge: .* d = 12 does not divide"):
+        out = jax.jit(merged)(kernel, factor, a)
+    np.testing.assert_allclose(out, merge(kernel, factor, a))
+    x, probe = jnp.ones((12, 16)), jnp.zeros((12, 2))  # 12 token rows over 8 devices
+    layer = lambda x, p: sketched_linear(x, kernel, a, p, implementation="pallas", interpret=True).sum()
+    with backend.compiling_for(mesh), pytest.warns(RuntimeWarning, match="sketched_linear: .* 12 rows do not"):
+        jax.jit(jax.grad(layer, argnums=1)).trace(x, probe)
+    with backend.compiling_for(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")  # traced again (another function): said once already
+        jax.jit(lambda *z: merged(*z)).trace(kernel, factor, a)
+        jax.jit(jax.grad(lambda x, p: layer(x, p), argnums=1)).trace(x, probe)

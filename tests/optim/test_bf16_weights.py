@@ -40,10 +40,11 @@ def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased():
     assert np.isposinf(out[0]) and np.isneginf(out[1]) and np.isnan(out[2]) and out[3] == 0
 
 
-def _update(params, factor_scale: float, step: int, stochastic: bool = True) -> dict:
+def _update(params, factor_scale: float, step: int, stochastic: bool = True, refresh: bool = True,
+            **spec: object) -> dict:
     t = find_targets(params)["q_proj.kernel"]
     factor = factor_scale * jax.random.normal(jax.random.key(3), (t.d, 4), jnp.float32)
-    spec = SketchSpec(rank=4, base_seed=5, stochastic_round=stochastic)
+    spec = SketchSpec(rank=4, base_seed=5, stochastic_round=stochastic, refresh=refresh, **spec)
     return {"q_proj": {"kernel": LowRankUpdate(factor, step, target=t, spec=spec)}}
 
 
@@ -58,13 +59,37 @@ def test_bf16_merge_rounds_the_float32_sum_to_a_neighbour_reproducibly():
     got = np.asarray(merged.astype(jnp.float32))
     assert np.all((got == lo) | (got == hi))
     assert np.mean(got != np.asarray(jnp.asarray(exact).astype(jnp.bfloat16).astype(jnp.float32))) > 0.05
-    # the rollout engine applying the same update to the same weights gets the same bits; another step does not
+    # the rollout engine applying the same update to the same weights gets the same bits; another step does not,
+    # even with the projection held (refresh=False: the same float32 sum), so the rounding key follows the step
     np.testing.assert_array_equal(np.asarray(apply_updates(params, update)["q_proj"]["kernel"]), np.asarray(merged))
-    other = apply_updates(params, _update(params, 1e-3, step=5))["q_proj"]["kernel"]
-    assert np.any(np.asarray(other) != np.asarray(merged))
+    held = [_update(params, 1e-3, step=step, refresh=False) for step in (4, 5)]
+    np.testing.assert_array_equal(*(np.asarray(u["q_proj"]["kernel"].to_dense()) for u in held))
+    fours, fives = (np.asarray(apply_updates(params, u)["q_proj"]["kernel"]) for u in held)
+    assert np.mean(fours != fives) > 0.05
     # without spec.stochastic_round a bfloat16 weight rounds to nearest, as optax.apply_updates does
     nearest = apply_updates(params, _update(params, 1e-3, step=4, stochastic=False))["q_proj"]["kernel"]
     np.testing.assert_array_equal(np.asarray(nearest), np.asarray(jnp.asarray(exact).astype(jnp.bfloat16)))
+
+
+def test_the_pallas_merge_runs_under_stochastic_rounding(monkeypatch):
+    """implementation="pallas" with stochastic rounding merges with the Pallas kernel (the float32 sum), then
+    rounds: a neighbour of the exact sum, equal to the XLA merge's bits wherever the two float32 sums agree."""
+    import logra_jax.optim.lowrank as lowrank
+
+    kernels = []
+    real = lowrank.merge_kernel
+    monkeypatch.setattr(lowrank, "merge_kernel", lambda *a, **k: kernels.append(a[0].dtype) or real(*a, **k))
+    w32 = jax.random.normal(jax.random.key(0), (64, 48), jnp.float32) * 0.05
+    params = {"q_proj": {"kernel": w32.astype(jnp.bfloat16)}}
+    xla = _update(params, 1e-3, step=6)
+    pallas = _update(params, 1e-3, step=6, implementation="pallas", interpret=True)
+    got = np.asarray(apply_updates(params, pallas)["q_proj"]["kernel"].astype(jnp.float32))
+    assert kernels == [jnp.float32]  # the Pallas kernel ran, on the slice widened to float32
+    exact = np.asarray(params["q_proj"]["kernel"].astype(jnp.float32) + xla["q_proj"]["kernel"].to_dense())
+    lo, hi = _neighbours(exact)
+    assert np.all((got == lo) | (got == hi))
+    want = np.asarray(apply_updates(params, xla)["q_proj"]["kernel"].astype(jnp.float32))
+    assert np.mean(got == want) > 0.99
 
 
 def test_updates_below_bf16_spacing_survive_on_average():

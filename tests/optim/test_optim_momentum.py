@@ -213,3 +213,36 @@ def test_config_fields_are_validated_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         OptimizerSection(**fields).validate()
     OptimizerSection(momentum=0.9, refresh_every=10).validate()
+
+
+def test_b1_zero_passes_the_direction_through_and_the_state_holds_it():
+    params = {"q_proj": {"kernel": jnp.asarray(np.random.default_rng(2).normal(size=(8, 6)), jnp.float32)}}
+    sketch, momentum = scale_by_sketch(rank=RANK), scale_by_subspace_momentum(0.0, rank=RANK)
+    direction = sketch.update(jax.tree.map(jnp.cos, params), sketch.init(params))[0]
+    out, state = momentum.update(direction, momentum.init(params))
+    d = direction["q_proj"]["kernel"].factor
+    np.testing.assert_array_equal(out["q_proj"]["kernel"].factor, d)
+    np.testing.assert_array_equal(state.first_moment["q_proj"]["kernel"], d)  # D, not zeros
+
+
+def test_one_basis_refuses_updates_that_schedule_their_projections_differently():
+    """The state's one basis (the draw step M is in) would be wrong for a target drawn on another schedule."""
+    from logra_jax.optim.lowrank import LowRankUpdate
+    from logra_jax.optim.targets import find_targets
+
+    params = as_tree({path: np.ones(shape) for path, shape in SHAPES.items()})
+    targets = find_targets(params)
+    every = {"blocks.attn.q_proj.kernel": 1, "mlp.up_proj.kernel": 4}
+    updates = jax.tree.map(lambda x: x, params)
+    for path, t in targets.items():
+        spec = SketchSpec(rank=RANK, base_seed=BASE, refresh_every=every[path])
+        node = get(updates, path.rsplit(".", 1)[0])
+        node["kernel"] = LowRankUpdate(jnp.ones((*t.batch_shape, *t.rows_shape, RANK)), 5, target=t, spec=spec)
+    tx = scale_by_subspace_momentum(0.9, rank=RANK)
+    with pytest.raises(ValueError, match=r"one basis serves every target, but 'blocks.attn.q_proj.kernel' has "
+                                         r"\(refresh, refresh_every\) = \(True, 1\) and 'mlp.up_proj.kernel' "
+                                         r"\(True, 4\)"):
+        tx.update(updates, tx.init(params))
+    node["kernel"] = LowRankUpdate(node["kernel"].factor, 5, target=targets["mlp.up_proj.kernel"],
+                                   spec=SketchSpec(rank=RANK, base_seed=BASE + 1, refresh_every=1))
+    tx.update(updates, tx.init(params))  # another seed, the same schedule: one basis fits both

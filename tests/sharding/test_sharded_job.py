@@ -21,6 +21,7 @@ from flax import nnx
 
 from logra_jax import models
 from logra_jax.models.hf import SafetensorsFile, build_model
+from logra_jax.rollout.engine import decode_config, weight_bytes
 from logra_jax.sharding import MeshConfig, make_mesh, xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +159,8 @@ _JOB = textwrap.dedent("""
 
 def test_every_phase_of_the_job_leaves_each_device_its_share(tmp_path):
     """The main job on an 8-device FSDP mesh: after start-up, the SFT warm start, the optimizer's init, the first
-    RL step and a restore, device 0 holds no more live bytes than 1.25 × the emptiest device (the job logs it)."""
+    RL step and a restore, device 0 holds no more live bytes than 1.25 × the emptiest device, and no device more
+    than 1.25 × its 1/8 of the live arrays' bytes whole (the job logs both) beside the colocated engine's copy."""
     sys.path.insert(0, str(REPO / "tests" / "train"))
     try:
         from conftest import make_tiny_config
@@ -176,10 +178,18 @@ def test_every_phase_of_the_job_leaves_each_device_its_share(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     log = (tmp_path / "run" / "log.txt").read_text()
     found = re.findall(r"live arrays after (.+?): device 0 ([\d.]+) MiB, fullest device \d+ ([\d.]+) MiB, "
-                       r"emptiest ([\d.]+) MiB \(8 local devices\)", log)
+                       r"emptiest ([\d.]+) MiB \(8 local devices; ([\d.]+) MiB whole\)", log)
     phases = [f[0] for f in found]
     assert phases == ["start", "the warm start", "the optimizer's init", "the first RL step", "start",
                       "the restore", "the first RL step"], log
-    for phase, first, fullest, emptiest in found:
+    # From the first RL step on, the colocated engine's copy (compute dtype, decode layout with t = the trainer
+    # mesh's tensor size on CPU, here 1) is on every device by design; everything else is split 8 ways.
+    engine = weight_bytes(decode_config(models.preset("tiny", **config["model"]["overrides"]))) / 2**20
+    for phase, first, fullest, emptiest, whole in found:
         assert float(first) <= 1.25 * float(emptiest), (phase, first, emptiest)
         assert float(fullest) <= 1.25 * float(emptiest), (phase, fullest, emptiest)
+        # each device holds about its 1/8 of the arrays whole (a replicated job holds all of them), within the
+        # log's 0.01 MiB
+        replicated = engine if phase == "the first RL step" else 0.0
+        share = (float(whole) - replicated) / 8 + replicated
+        assert float(fullest) <= 1.25 * share + 0.01, (phase, fullest, whole, replicated)

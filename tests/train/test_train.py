@@ -1,15 +1,18 @@
 """The main job end to end on the tiny model: every optimizer choice, kill-and-resume, and bad input."""
 
+import itertools
 import json
 import math
 import shutil
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import logra_jax.train as train_mod
 from logra_jax.checkpoint import CheckpointError
+from logra_jax.rollout.sync import flat_params
 from logra_jax.run_config import RunConfig
 from logra_jax.train import train_and_evaluate
 
@@ -184,15 +187,43 @@ def test_separate_rollout_worker_reproduces_colocated_run(tmp_path, tiny_config,
     assert all(r.get("sync_resyncs", 0) == 0 for r in runs[1])
 
 
-def test_bf16_weights_train_and_the_engine_follows_bit_for_bit(tmp_path, tiny_config, read_metrics):
-    """optimizer.weight_dtype=bfloat16: the trainer stores its matrices in bfloat16 (checkpointed so), the
-    stochastic merges move them, and the rollout engine, merging the same updates, never needs a resync."""
+def test_bf16_weights_train_and_the_engine_follows_bit_for_bit(tmp_path, monkeypatch, tiny_config, read_metrics):
+    """optimizer.weight_dtype=bfloat16: the trainer stores its matrices in bfloat16 (checkpointed so); each of three
+    steps' stochastic merges moves every target matrix, and a rollout worker fed only the low-rank payloads
+    (rollout.workers=1) holds the trainer's weights bit for bit after each (fetched back; never resynced)."""
     config = tiny_config(optimizer={"weight_dtype": "bfloat16", "kl_control": True, "probe_responses": 2},
-                         train={"steps": 1, "checkpoint_every": 1})
+                         train={"steps": 3, "checkpoint_every": 3}, rollout={"workers": 1})
+    real, held = train_mod.rollout_engine, []  # per publication: (the trainer's weights, the worker's)
+    host = lambda params: jax.device_get(flat_params(params))
+
+    def fetched_after_every_publish(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        held.append((host(args[4]), engine.transport.fetch()[1]))
+        publish = engine.publish
+
+        def publish_and_fetch(updates, params):
+            report = publish(updates, params)
+            held.append((host(params), engine.transport.fetch()[1]))
+            return report
+
+        engine.publish = publish_and_fetch
+        return engine
+
+    monkeypatch.setattr(train_mod, "rollout_engine", fetched_after_every_publish)
     train_and_evaluate(config, tmp_path, reward_fn=_digit_fraction)
     steps = [r for r in read_metrics(tmp_path) if "loss" in r]
-    assert len(steps) == 1 and all(r["sync_resyncs"] == 0 and math.isfinite(r["loss"]) for r in steps)
-    meta = ocp.PyTreeCheckpointer().metadata(tmp_path / "checkpoints" / "1" / "state")
+    assert len(steps) == 3 and all(r["sync_resyncs"] == 0 and r["kl_refused"] == 0 and math.isfinite(r["loss"])
+                                   for r in steps), steps
+    assert len(held) == 4  # the bootstrap snapshot and three deltas
+    for trainer, worker in held:
+        assert trainer.keys() == worker.keys()
+        for path, w in trainer.items():
+            assert w.dtype == worker[path].dtype and w.tobytes() == worker[path].tobytes(), path
+    targets = {p for p in held[0][0] if p.endswith("_proj.kernel")}
+    assert targets and {str(held[0][0][p].dtype) for p in targets} == {"bfloat16"}
+    for (before, _), (after, _) in itertools.pairwise(held):
+        assert {p for p in before if np.any(before[p] != after[p])} == targets  # the merges, and nothing else
+    meta = ocp.PyTreeCheckpointer().metadata(tmp_path / "checkpoints" / "3" / "state")
     meta = getattr(meta, "item_metadata", meta)
     dtypes = {leaf.name: str(leaf.dtype) for leaf in jax.tree.leaves(meta) if ".params." in f".{leaf.name}"}
     kernels = {p: d for p, d in dtypes.items() if p.endswith(("kernel.value", "embedding.value"))}
