@@ -106,18 +106,21 @@ class Decoder(nnx.Module):
     def _run_blocks(self, x, positions, q_slots, key_valid, cache: KVCache | None):
         graphdef, state = nnx.split(self.blocks)
 
-        def body(h, xs):
-            layer_state, layer_cache, layer = xs
+        # The cache [L, B, S, Hkv, hd] rides in the carry: each layer scatters its new rows into it in place and
+        # reads its own slice (no per-layer copy of the cache in or out of the scan).
+        def body(carry, xs):
+            h, stacks = carry
+            layer_state, layer = xs
             block = nnx.merge(graphdef, layer_state)
             index = None if cache is None else cache.index
-            h, layer_cache = block(h, positions, q_slots, key_valid, layer_cache, index, layer)
-            return h, layer_cache
+            h, stacks = block(h, positions, q_slots, key_valid, stacks, index, layer)
+            return (h, stacks), None
 
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
-        layer_caches = None if cache is None else (cache.k, cache.v)
-        x, new_caches = jax.lax.scan(body, x, (state, layer_caches, jnp.arange(self.config.num_layers)))
-        return x, new_caches
+        stacks = None if cache is None else (cache.k, cache.v)
+        (x, stacks), _ = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)))
+        return x, stacks
 
     def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:

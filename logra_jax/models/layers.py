@@ -19,6 +19,14 @@ from logra_jax.models.config import ModelConfig
 from logra_jax.sharding import constrain
 
 
+def write_stacked_rows(stack: jax.Array, layer: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
+    """stack [L, B, S, ...] with rows [B, T, ...] (cast to its dtype) written at [layer, b, index[b] : index[b] + T]
+    (a scatter of the rows alone: the stack is updated in place, not copied); positions past S are dropped."""
+    B, T = rows.shape[:2]
+    slots = index[:, None] + jnp.arange(T)[None, :]
+    return stack.at[layer, jnp.arange(B)[:, None], slots].set(rows.astype(stack.dtype), mode="drop")
+
+
 def write_rows(buffer: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
     """buffer [B, S, ...] with rows [B, T, ...] (cast to its dtype) written at [b, index[b] : index[b] + T]."""
     return jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), i, 0))(
@@ -237,9 +245,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, q_slots: jax.Array, key_valid: jax.Array,
                  cache: tuple[jax.Array, jax.Array] | None = None, write_index: jax.Array | None = None,
                  layer: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """x [B, T, D] → [B, T, D]; q_slots [B, T] are the queries' cache slots (causality). With a cache
-        (k, v [B, S, Hkv, hd]) row b's new keys are written at `write_index[b]` and attention runs over the whole
-        cache; `key_valid` [B, S] marks real tokens.
+        """x [B, T, D] → [B, T, D]; q_slots [B, T] are the queries' cache slots (causality). With a cache (the
+        stacked k, v [L, B, S, Hkv, hd] of every layer) row b's new keys are written at [layer, b, write_index[b]]
+        and attention runs over layer `layer`'s whole cache; `key_valid` [B, S] marks real tokens.
         `layer` (the layer's index, traced under the decoder's scan) selects the sliding window and RoPE base of
         that layer; it is required when the config has a sliding window."""
         with jax.named_scope("attention"):  # names the buffers in compiled memory reports
@@ -275,15 +283,15 @@ class Attention(nnx.Module):
                       ("batch", "length", "act_kv_heads", None))
         v = constrain(v, ("batch", "length", "act_kv_heads", None))
         key_positions = positions if window is not None else None
-        if cache is not None:
-            cache_k, cache_v = (write_rows(c, new, write_index) for c, new in zip(cache, (k, v)))
-            cache = (cache_k, cache_v)
-            k, v = cache_k.astype(x.dtype), cache_v.astype(x.dtype)
+        if cache is not None:  # the stacked cache of every layer: write this layer's rows in place, read its slice
+            cache = tuple(write_stacked_rows(stack, layer, new, write_index) for stack, new in zip(cache, (k, v)))
+            k, v = (jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False).astype(x.dtype)
+                    for stack in cache)
             key_positions = cache_key_positions(key_valid) if window is not None else None
         qg = q.reshape(B, T, c.num_kv_heads, G, c.head_dim)
         scale = (c.head_dim if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar) ** -0.5
         masking = dict(scale=scale, window=window, q_positions=positions, key_positions=key_positions)
-        if c.attention_impl == "chunked":
+        if c.attention_impl == "chunked" and T > 1:  # a decode step's scores [B, H, 1, S] need no chunks
             out = _chunked_attention(qg, k, v, q_slots, key_valid, c.attention_chunk, **masking)
         else:
             out = _dense_attention(qg, k, v, q_slots, key_valid, **masking)
