@@ -17,9 +17,9 @@ the compiled module instead:
 - HBM bytes accessed: what each top-level instruction reads and writes in device memory (a fusion: its operands
   and results, not its insides). A fusion operand read only through slices (dynamic-slice, slice, gather; through
   bitcasts and nested fusions, as libtpu nests the slice of a loop-carried weight stack inside the matmul's
-  fusion) reads only the slices; a dynamic-update-slice that a fusion returns in place writes only its update and
-  does not read the buffer; so a loop over stacked [L, ...] weights reads each layer once, not L times per
-  iteration. Arrays whose layout names another memory space (`S(1)`: the TPU's VMEM, where libtpu's memory-space
+  fusion) reads only the slices; a dynamic-update-slice or scatter that a fusion (or the program) returns in place
+  writes only its update and does not read the buffer (a decode step's KV-cache write); so a loop over stacked
+  [L, ...] weights reads each layer once, not L times per iteration. Arrays whose layout names another memory space (`S(1)`: the TPU's VMEM, where libtpu's memory-space
   assignment keeps small arrays; `S(5)`: host memory) are not HBM traffic; async copies and slices (`copy-start`,
   `slice-start`) count their HBM side once;
 - collective bytes (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, in every form: the
@@ -94,6 +94,9 @@ class HloCost:
     bytes_accessed: float  # HBM bytes read + written by top-level instructions (collectives excluded)
     collective_bytes: float  # bytes moved by collectives, per device
     unknown_trip_counts: tuple[str, ...] = ()  # while loops counted once: no trip count known to the compiler
+    # One iteration of those loops, part of the totals above: (flops, HBM bytes, collective bytes). A program that
+    # runs such a loop k times costs the totals + (k − 1) × this.
+    unknown_loop_iteration: tuple[float, float, float] = (0.0, 0.0, 0.0)
     uncounted_custom_calls: tuple[str, ...] = ()  # custom calls that declare no flops (e.g. Triton Pallas on GPU)
 
 
@@ -115,6 +118,8 @@ class _Cost:
     coll: float = 0.0
     unknown: tuple[str, ...] = ()
     uncounted: tuple[str, ...] = ()
+    # One iteration of the loops without a known trip count (flops, bytes, collective bytes): part of the above.
+    loop: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def add(self, other: _Cost, times: float = 1.0) -> None:
         self.flops += times * other.flops
@@ -124,6 +129,7 @@ class _Cost:
         self.coll += times * other.coll
         self.unknown += other.unknown
         self.uncounted += other.uncounted
+        self.loop = tuple(a + times * b for a, b in zip(self.loop, other.loop))
 
 
 def _dtype_bytes(dtype: str) -> float | None:
@@ -499,10 +505,11 @@ class _Module:
             node = by_name.get(self.through_bitcasts(callee, out))
             if node is None or not node.operands:
                 continue
-            if node.op == "dynamic-update-slice" and len(node.operands) > 1:
+            if node.op in ("dynamic-update-slice", "scatter") and len(node.operands) > 1:
                 buffer = self.through_bitcasts(callee, node.operands[0])
+                update = node.operands[1] if node.op == "dynamic-update-slice" else node.operands[-1]
                 if buffer in params:
-                    in_place[k] = (params[buffer], shape_bytes(self.operand_shape(callee, node.operands[1])))
+                    in_place[k] = (params[buffer], shape_bytes(self.operand_shape(callee, update)))
                     in_place_users.add((node.name, node.operands[0]))
             elif node.op == "fusion" and _callees(node.attrs, "calls"):
                 (nested,) = _callees(node.attrs, "calls")[:1]
@@ -627,6 +634,9 @@ class _Module:
                 sum(_hbm_bytes(s) for s in operand_shapes[1:] if op == "gather")
         if op == "dynamic-update-slice" and len(operand_shapes) > 1:
             return _hbm_bytes(operand_shapes[1]) + shape_bytes(operand_shapes[1]) * _in_hbm(operand_shapes[0])
+        if op == "scatter" and len(operand_shapes) > 2:  # in place: reads indices and updates, writes the updates
+            return sum(_hbm_bytes(x) for x in operand_shapes[1:]) + \
+                shape_bytes(operand_shapes[-1]) * _in_hbm(operand_shapes[0])
         return _hbm_bytes(shape) + sum(_hbm_bytes(s) for s in operand_shapes)
 
     def instr_cost(self, comp: str, instr: _Instr, fused: bool) -> _Cost:
@@ -644,6 +654,8 @@ class _Module:
                 cost.add(self.cost(body, fused), times)
             for cond in _callees(instr.attrs, "condition"):
                 cost.add(self.cost(cond, fused), times + 1)
+            if trip is None:  # one iteration of a loop whose count only the run knows (a decode loop)
+                cost.loop = (cost.flops, cost.bytes, cost.coll)
             return cost
         if op == "conditional":
             branches = (_callees(instr.attrs, "branch_computations") or
@@ -677,7 +689,9 @@ class _Module:
             cost.flops = float(_elements(instr.shape))
         elif op in TRANSCENDENTAL:
             cost.trans = float(_elements(instr.shape))
-        elif op in ("reduce", "reduce-window", "scatter", "select-and-scatter"):
+        elif op == "scatter":  # the combiner runs once per update element
+            cost.flops = float(_elements(self.operand_shape(comp, instr.operands[-1]))) if instr.operands else 0.0
+        elif op in ("reduce", "reduce-window", "select-and-scatter"):
             cost.flops = float(_elements(self.operand_shape(comp, instr.operands[0]))) if instr.operands else 0.0
         if fused or op in _FREE or op.endswith("-done"):
             return cost
@@ -698,5 +712,5 @@ def hlo_cost(text: str) -> HloCost:
     total = module.cost(module.entry, False)
     return HloCost(flops=total.flops, matmul_flops=total.matmul, transcendentals=total.trans,
                    bytes_accessed=total.bytes, collective_bytes=total.coll,
-                   unknown_trip_counts=tuple(dict.fromkeys(total.unknown)),
+                   unknown_trip_counts=tuple(dict.fromkeys(total.unknown)), unknown_loop_iteration=total.loop,
                    uncounted_custom_calls=tuple(dict.fromkeys(total.uncounted)))

@@ -95,19 +95,27 @@ class PhaseBytes:
         return self.program["total"] + self.others
 
 
-def program_time(compiled: Any, info: Any, floor_bytes: float, runs: float = 1.0) -> dict[str, Any]:
+def program_time(compiled: Any, info: Any, floor_bytes: float, runs: float = 1.0,
+                 loop_iterations: int | None = None) -> dict[str, Any]:
     """One program's cost per device from its optimized HLO (`logra_jax.hlo_cost`: every loop iteration counted),
     and its estimated seconds on `info`'s chip (`logra_jax.aot.roofline`: max(flops / peak, HBM bytes / bandwidth)
     + collective bytes / link bandwidth), times `runs`; est_seconds None for a CPU target (no published figures).
-    floor_bytes: the HBM bytes the program cannot do without (its bandwidth floor)."""
+    floor_bytes: the HBM bytes the program cannot do without (its bandwidth floor). loop_iterations = k: the cost
+    of one iteration of the program's loop whose trip count only the run knows (a decode chunk's steps), with the
+    work outside it spread over k iterations."""
     from logra_jax import aot
     from logra_jax.hlo_cost import hlo_cost
 
     cost = hlo_cost(compiled.as_text())
-    out = {"flops": cost.flops, "hbm_bytes": cost.bytes_accessed, "collective_bytes": cost.collective_bytes,
+    flops, hbm, coll = cost.flops, cost.bytes_accessed, cost.collective_bytes
+    if loop_iterations:
+        loop = cost.unknown_loop_iteration
+        flops, hbm, coll = (part + (whole - part) / loop_iterations
+                            for part, whole in zip(loop, (flops, hbm, coll)))
+    out = {"flops": flops, "hbm_bytes": hbm, "collective_bytes": coll,
            "floor_bytes": float(floor_bytes), "runs": runs, "est_seconds": None, "floor_seconds": None}
     if info is not None and info.hbm_bandwidth is not None and info.peak_bf16_flops is not None:
-        roof = aot.roofline(cost.flops, cost.bytes_accessed, cost.collective_bytes, info)
+        roof = aot.roofline(flops, hbm, coll, info)
         out.update(est_seconds=runs * roof.seconds, floor_seconds=runs * floor_bytes / info.hbm_bandwidth,
                    bound=roof.bound)
     return out
@@ -235,9 +243,10 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     """A phase run by the engine (logra_jax.rollout.slots) for `prompts` prompts under `sampling`: its programs
     start, refill (the prefill of K prompts into slots) and one decode chunk attending over the whole cache; the
     phase's bytes are the largest program's. Time on paper: every response at its budget N (an upper bound), so
-    the rows run in ⌈R / S⌉ waves of one refill and N decode steps; per decode step the decode program's cost (its
-    while loop, whose trip count the compiler cannot know, counted once: one step) against the bandwidth floor,
-    the engine's weights / devices + the KV cache read / devices."""
+    the rows run in ⌈R / S⌉ waves of one refill and N decode steps; per decode step the decode program's cost (one
+    iteration of its while loop, whose trip count the compiler cannot know, and the chunk's work outside the loop
+    spread over its decode_steps) against the bandwidth floor, the engine's weights / devices + the KV cache read /
+    devices."""
     from logra_jax.rollout import slots as slots_lib
     from logra_jax.sharding import abstract_sharded
 
@@ -268,7 +277,7 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     devices = mesh.devices.size
     kv_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in (slots.cache.k, slots.cache.v))
     weights = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
-    step = program_time(decode, job.info, (weights + kv_bytes) / devices)
+    step = program_time(decode, job.info, (weights + kv_bytes) / devices, loop_iterations=sampling.decode_steps)
     waves = -(-rows // S)
     prefill = program_time(refill, job.info, _io_bytes(refill_bytes), runs=waves)
     time = {key_: step[key_] * waves * sampling.max_new_tokens + prefill[key_]

@@ -68,7 +68,15 @@ def main() -> None:
 
 
 def _write(rows: list[dict]) -> None:
+    """plans.{json,md,png} from these cells and the cells of an earlier run not rerun now (each compiler's cells may
+    come from a run under its own interpreter)."""
     import matplotlib
+
+    earlier = HERE / "plans.json"
+    if earlier.is_file():
+        fresh = {r["cell"] for r in rows}
+        kept = [r for r in json.loads(earlier.read_text())["cells"] if r["cell"] not in fresh]
+        rows = sorted(kept + rows, key=lambda r: CELLS.index(r["cell"]) if r["cell"] in CELLS else len(CELLS))
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -357,3 +357,29 @@ def test_convolution_flops_count_only_real_input_positions(window, padding, lhs_
     xla = compiled.cost_analysis()
     xla = xla[0] if isinstance(xla, list | tuple) else xla
     assert hlo_cost(compiled.as_text()).matmul_flops == pytest.approx(xla["flops"], rel=0.01)
+
+
+def test_an_in_place_scatter_loop_writes_its_rows_not_the_buffer():
+    """A decode-like loop scattering one row per sequence into a donated [4, 512, 256] buffer per iteration (the KV
+    cache write): per iteration the rows are read, computed and written (≈ 5 row blocks of 4 KiB with the loop's
+    own bookkeeping and the inputs read once), not the 2 MiB buffer read and written whole (what a scatter counted like any op gives). An
+    unknown-trip-count loop's one iteration is reported apart."""
+    n, B, S, D = 16, 4, 512, 256
+
+    def f(buf, rows, index):
+        return jax.lax.fori_loop(0, n, lambda i, b: b.at[jnp.arange(B), index + i].set(rows[i] * 2.0 + 1.0,
+                                                                                      mode="drop"), buf)
+
+    args = (jax.ShapeDtypeStruct((B, S, D), jnp.float32), jax.ShapeDtypeStruct((n, B, D), jnp.float32),
+            jax.ShapeDtypeStruct((B,), jnp.int32))
+    cost = hlo_cost(jax.jit(f, donate_argnums=0).lower(*args).compile().as_text())
+    row_block, buffer = B * D * 4, B * S * D * 4
+    assert 2 * row_block <= cost.bytes_accessed / n <= 6 * row_block < buffer / 50, cost.bytes_accessed / n
+
+    def until_done(buf, rows, index):  # a while loop whose trip count depends on the data
+        return jax.lax.while_loop(lambda c: c[0] < index[0] + 3,
+                                  lambda c: (c[0] + 1, c[1].at[jnp.arange(B), c[0]].set(rows[0])), (0, buf))[1]
+
+    cost = hlo_cost(jax.jit(until_done, donate_argnums=0).lower(*args).compile().as_text())
+    assert cost.unknown_trip_counts and 0 < cost.unknown_loop_iteration[1] <= cost.bytes_accessed
+    assert cost.unknown_loop_iteration[1] < buffer
