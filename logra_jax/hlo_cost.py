@@ -14,14 +14,14 @@ the compiled module instead:
   (a Triton Pallas kernel on GPU) adds none and is listed in `uncounted_custom_calls`;
 - elementwise arithmetic 1 flop per output element, reductions 1 per input element, transcendentals counted
   apart (as XLA does);
-- HBM bytes accessed: what each top-level instruction reads and writes in device memory (a fusion: its operands
-  and results, not its insides). A fusion operand read only through slices (dynamic-slice, slice, gather; through
-  bitcasts and nested fusions, as libtpu nests the slice of a loop-carried weight stack inside the matmul's
-  fusion) reads only the slices; a dynamic-update-slice or scatter that a fusion (or the program) returns in place
-  writes only its update and does not read the buffer (a decode step's KV-cache write); so a loop over stacked
-  [L, ...] weights reads each layer once, not L times per iteration. Arrays whose layout names another memory space (`S(1)`: the TPU's VMEM, where libtpu's memory-space
-  assignment keeps small arrays; `S(5)`: host memory) are not HBM traffic; async copies and slices (`copy-start`,
-  `slice-start`) count their HBM side once;
+- HBM bytes accessed: what each top-level instruction reads and writes in device memory (a fusion: its operands and
+  results, not its insides). A fusion operand read only through slices (dynamic-slice, slice, gather; through
+  bitcasts and nested fusions, as libtpu nests the slice of a loop-carried weight stack inside the matmul's fusion)
+  reads only the slices; a dynamic-update-slice or scatter that a fusion (or the program) returns in place writes
+  only its update and does not read the buffer (a decode step's KV-cache write); so a loop over stacked [L, ...]
+  weights reads each layer once, not L times per iteration. Arrays whose layout names another memory space (`S(1)`:
+  the TPU's VMEM, where libtpu's memory-space assignment keeps small arrays; `S(5)`: host memory) are not HBM
+  traffic; async copies and slices (`copy-start`, `slice-start`) count their HBM side once;
 - collective bytes (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, in every form: the
   synchronous op, XLA:GPU's `*-start` / `*-done` pairs, `async-start` wrappers, and libtpu's async collectives, whose
   start, continuation and done fusions each repeat the collective under one channel id): the bytes each device

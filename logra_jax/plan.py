@@ -191,8 +191,7 @@ class _Job:
         return sum(sizes[n] for n in names)
 
 
-def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None,
-         hbm_bytes: float | None, info: Any) -> _Job:
+def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None, info: Any) -> _Job:
     from logra_jax.builders import build_model
     from logra_jax.phases import Trainer
     from logra_jax.rollout.engine import DecodeLayout
@@ -213,7 +212,7 @@ def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, An
     layout = engine = None
     copied = shared_bytes = 0
     if run.rollout.workers == 0:  # the colocated engine, in its decode layout, built from the trainer's model
-        layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor, hbm_bytes)
+        layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor)
         shared, to_copy = layout.split({**flat_params(trainer_rest), **flat_params(state.params)})
         engine = layout.abstract
         copied = sum(device_bytes(layout.leaves[p]) for p in to_copy)
@@ -383,7 +382,7 @@ _PHASE_PLANS: dict[str, Callable[[_Job], PhaseBytes]] = {
 
 
 def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mapping[str, Any] | None = None,
-                only: Collection[str] | None = None, hbm_bytes: float | None = None, info: Any = None,
+                only: Collection[str] | None = None, info: Any = None,
                 progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
     """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
 
@@ -393,11 +392,10 @@ def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mappi
       prompt_len: prompt tokens per sequence (the job measures it from its data; the paper's recipe: 512).
       compiler_options: XLA options for every compilation (e.g. `sharding.FAST_CPU_COMPILE` for XLA:CPU).
       only: the names of the phases to compile (default all; `PHASES`).
-      hbm_bytes: the devices' memory (the engine's default decode layout depends on it).
       info: the target's `aot.TargetInfo` (chip figures for each phase's time on paper; None: bytes only).
       progress: called with each phase's name before it compiles.
     """
-    job = _job(run, mesh, prompt_len, compiler_options, hbm_bytes, info)
+    job = _job(run, mesh, prompt_len, compiler_options, info)
     applies = {"warm start": bool(run.sft.steps), "KL reference": job.ref is not None,
                "rollout": job.layout is not None, "policy sync": job.layout is not None,
                "evaluation": job.layout is not None}
@@ -546,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{run.optimizer.name}; jax {jax.__version__})", flush=True)
     phases = plan_phases(run, mesh, prompt_len,
                          compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None, only=args.phases,
-                         hbm_bytes=None if info.platform == "cpu" else hbm, info=info,
+                         info=info,
                          progress=lambda name: print(f"  compiling {name} ...", flush=True))
     text, status = report(phases, hbm, run)
     print(text)

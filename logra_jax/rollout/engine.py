@@ -59,22 +59,25 @@ def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
     return make_mesh(MeshConfig(data=len(devices) // tensor, fsdp=1, tensor=tensor), devices)
 
 
-def default_decode_tensor(config: ModelConfig, mesh: Mesh, hbm_bytes: float | None = None) -> int:
+def decode_tensor_sizes(config: ModelConfig, num_devices: int) -> list[int]:
+    """The t a decode layout can take: dividing the device count, the attention heads and the KV heads (so every
+    device holds whole KV heads of its slots and the KV cache is split over all devices: heads over t, slots over
+    n / t), smallest first."""
+    return [t for t in range(1, num_devices + 1)
+            if num_devices % t == 0 and config.num_heads % t == 0 and config.num_kv_heads % t == 0]
+
+
+def default_decode_tensor(config: ModelConfig, mesh: Mesh) -> int:
     """t for the decode layout when the config leaves it to us (rollout.decode_tensor = 0).
 
-    The candidates divide the device count, the attention heads and the KV heads (so that every device holds whole
-    KV heads of its slots, and the KV cache is split over all devices: heads over t, slots over n / t). With the
-    devices' memory known (`hbm_bytes` per device): the smallest candidate for which the compute-dtype weights take
-    at most an eighth of a device (the rest holds the trainer's state, the KV cache and the train step), else the
-    largest candidate. Without (a CPU run): the trainer mesh's tensor size.
+    On accelerators, the largest of `decode_tensor_sizes`: a decode step reads every weight a device holds, so it
+    costs weights / t per device (and the engine holds as much), the floor being weights / n. On CPU devices (tests,
+    the demo), where a step is compute-bound and tensor parallelism only adds collectives: the trainer mesh's
+    tensor size.
     """
-    n = mesh.devices.size
-    if hbm_bytes is None:
+    if mesh.devices.flat[0].platform == "cpu":
         return int(mesh.shape["tensor"])
-    weights = weight_bytes(decode_config(config))
-    candidates = [t for t in range(1, n + 1)
-                  if n % t == 0 and config.num_heads % t == 0 and config.num_kv_heads % t == 0]
-    return next((t for t in candidates if weights / t <= hbm_bytes / 8), candidates[-1])
+    return decode_tensor_sizes(config, mesh.devices.size)[-1]
 
 
 def weight_bytes(config: ModelConfig) -> int:
@@ -92,11 +95,10 @@ class DecodeLayout:
       model_config: the trainer's model config.
       mesh: the trainer's mesh.
       tensor: t (0: `default_decode_tensor`).
-      hbm_bytes: memory per device, for the default t (None: unknown).
     """
 
-    def __init__(self, model_config: ModelConfig, mesh: Mesh, tensor: int = 0, hbm_bytes: float | None = None):
-        self.tensor = tensor or default_decode_tensor(model_config, mesh, hbm_bytes)
+    def __init__(self, model_config: ModelConfig, mesh: Mesh, tensor: int = 0):
+        self.tensor = tensor or default_decode_tensor(model_config, mesh)
         self.mesh = decode_mesh(mesh, self.tensor)
         self.config = decode_config(model_config)
         self.graphdef, abstract = nnx.split(abstract_model(self.config))
@@ -155,7 +157,6 @@ class ColocatedEngine:
       mesh: the trainer's mesh (the engine uses its devices).
       params, rest: the trainer's weights and the model's other state (nnx.State trees) at `version`.
       tensor: t of the decode layout (0: `default_decode_tensor`).
-      hbm_bytes: memory per device, for the default t (None: unknown).
 
     Example:
       >>> from logra_jax.models.config import preset
@@ -171,9 +172,9 @@ class ColocatedEngine:
     on_device = True
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any, rest: Any, *,
-                 version: int = 0, tensor: int = 0, hbm_bytes: float | None = None):
+                 version: int = 0, tensor: int = 0):
         self.sampling = sampling
-        self.layout = DecodeLayout(model_config, mesh, tensor, hbm_bytes)
+        self.layout = DecodeLayout(model_config, mesh, tensor)
         self.graphdef, self.mesh, self.tensor = self.layout.graphdef, self.layout.mesh, self.layout.tensor
         self._rest = flat_params(rest)
         self.version = version
@@ -246,7 +247,7 @@ class WorkerEngine:
 
 def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any,
                    rest: Any, *, version: int = 0, trained: Collection[str] = (), decode_tensor: int = 0,
-                   hbm_bytes: float | None = None, vllm: Any = None, model_dir: str | None = None,
+                   vllm: Any = None, model_dir: str | None = None,
                    **worker_options: Any) -> Any:
     """The engine for `config.rollout`: with `vllm` (its VLLMSettings) vLLM in its own process on the Hugging Face
     folder `model_dir`, fed by low-rank payloads (`logra_jax.rollout.vllm_engine.VLLMEngine`); else by `workers`:
@@ -263,8 +264,7 @@ def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingCo
     if workers == 0:
         if worker_options:
             raise ValueError(f"rollout_engine: options {sorted(worker_options)} only apply to workers=1")
-        return ColocatedEngine(model_config, sampling, mesh, params, rest, version=version, tensor=decode_tensor,
-                               hbm_bytes=hbm_bytes)
+        return ColocatedEngine(model_config, sampling, mesh, params, rest, version=version, tensor=decode_tensor)
     if workers == 1:
         from logra_jax.rollout.worker import WorkerProcessTransport
         return WorkerEngine(WorkerProcessTransport(model_config, sampling, **worker_options), params,

@@ -362,8 +362,8 @@ def test_convolution_flops_count_only_real_input_positions(window, padding, lhs_
 def test_an_in_place_scatter_loop_writes_its_rows_not_the_buffer():
     """A decode-like loop scattering one row per sequence into a donated [4, 512, 256] buffer per iteration (the KV
     cache write): per iteration the rows are read, computed and written (≈ 5 row blocks of 4 KiB with the loop's
-    own bookkeeping and the inputs read once), not the 2 MiB buffer read and written whole (what a scatter counted like any op gives). An
-    unknown-trip-count loop's one iteration is reported apart."""
+    own bookkeeping and the inputs read once), not the 2 MiB buffer read and written whole (what a scatter
+    counted like any op gives). An unknown-trip-count loop's one iteration is reported apart."""
     n, B, S, D = 16, 4, 512, 256
 
     def f(buf, rows, index):

@@ -13,7 +13,7 @@ from flax import nnx
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim import apply_updates, logra
-from logra_jax.rollout.engine import ColocatedEngine, decode_mesh, default_decode_tensor
+from logra_jax.rollout.engine import ColocatedEngine, decode_mesh, decode_tensor_sizes, default_decode_tensor
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.slots import Sampler
 from logra_jax.rollout.sync import flat_params
@@ -105,13 +105,8 @@ def test_decode_layout_choice_and_errors():
     mesh = make_mesh(MeshConfig(fsdp=8))
     with pytest.raises(ValueError, match=r"config\.rollout\.decode_tensor = 3 must divide the 8 devices"):
         decode_mesh(mesh, 3)
-    assert default_decode_tensor(CONFIG, mesh) == 1  # memory unknown: the trainer's tensor size
-    flat = flat_params(nnx.state(init_model(CONFIG), nnx.Param))  # bf16 matrices, float32 norm scales
-    weights = sum(x.size * (2 if p.endswith(("kernel", "embedding")) else 4) for p, x in flat.items())
-    # An eighth of the memory holds the bf16 weights split over the smallest t that fits; t divides the devices and
-    # the heads (4) and KV heads (2), so no more than 2 even when nothing fits.
-    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=8 * weights) == 1
-    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=4.1 * weights) == 2
-    assert default_decode_tensor(CONFIG, mesh, hbm_bytes=1.01 * weights) == 2
-    wide = preset("tiny", dtype="bfloat16", num_heads=8, num_kv_heads=8, head_dim=8)
-    assert default_decode_tensor(wide, mesh, hbm_bytes=1.01 * weights) == 8
+    assert default_decode_tensor(CONFIG, mesh) == 1  # CPU devices: the trainer's tensor size
+    # t divides the devices, the heads (4) and the KV heads (2); accelerators take the largest.
+    assert decode_tensor_sizes(CONFIG, 8) == [1, 2]
+    wide = preset("tiny", num_heads=8, num_kv_heads=8, head_dim=8)
+    assert decode_tensor_sizes(wide, 8) == [1, 2, 4, 8] and decode_tensor_sizes(wide, 6) == [1, 2]
