@@ -72,6 +72,9 @@ class ModelConfig:
         LoGRA projections X Aᵀ of sketch-native targets).
       attention_impl: "dense" materialises [T, T] scores; "chunked" runs an online softmax over key chunks.
       attention_chunk: key-chunk length of the chunked attention.
+      decode_unroll: run the layers of cached decoding unrolled instead of as a loop (the rollout engine sets it
+        for GPUs: XLA:GPU then reads each layer's weights and KV cache in place, where a loop copies each layer's
+        slice out of the stack first).
     """
 
     architecture: Architecture = "llama"
@@ -107,6 +110,7 @@ class ModelConfig:
     remat: Remat = "none"
     attention_impl: AttentionImpl = "dense"
     attention_chunk: int = 512
+    decode_unroll: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -119,7 +119,8 @@ class Decoder(nnx.Module):
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         stacks = None if cache is None else (cache.k, cache.v)
-        (x, stacks), _ = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)))
+        unroll = self.config.num_layers if cache is not None and self.config.decode_unroll else 1
+        (x, stacks), _ = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)), unroll=unroll)
         return x, stacks
 
     def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,

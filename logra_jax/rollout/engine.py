@@ -41,9 +41,10 @@ from logra_jax.sharding import MeshConfig, make_mesh, param_shardings
 from logra_jax.tree_paths import path_str
 
 
-def decode_config(config: ModelConfig) -> ModelConfig:
-    """The engine's model config: matrices stored in the compute dtype (norm scales and biases stay float32)."""
-    return dataclasses.replace(config, param_dtype=config.dtype)
+def decode_config(config: ModelConfig, platform: str = "cpu") -> ModelConfig:
+    """The engine's model config: matrices stored in the compute dtype (norm scales and biases stay float32); on
+    GPUs the layers of a decode step unrolled (`ModelConfig.decode_unroll`)."""
+    return dataclasses.replace(config, param_dtype=config.dtype, decode_unroll=platform == "gpu")
 
 
 def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
@@ -100,7 +101,7 @@ class DecodeLayout:
     def __init__(self, model_config: ModelConfig, mesh: Mesh, tensor: int = 0):
         self.tensor = tensor or default_decode_tensor(model_config, mesh)
         self.mesh = decode_mesh(mesh, self.tensor)
-        self.config = decode_config(model_config)
+        self.config = decode_config(model_config, mesh.devices.flat[0].platform)
         self.graphdef, abstract = nnx.split(abstract_model(self.config))
         shardings = param_shardings(abstract, self.mesh)
         self.abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
