@@ -10,7 +10,9 @@ Measured (seed 0, this exact configuration, experiments/momentum's rank study's 
 on the study's 2-core Intel Xeon from an earlier warm start. XLA compiles for the host CPU, and the 1000-step SFT
 amplifies last-bit differences, so seed-exact numbers differ between CPU types. Over 5 seeds (experiments/momentum/README.md) 70.4 ± 30.6%
 after RL, against 69.2 ± 30.7% for AdamW on the same weights and 65.8 ± 28.5% for the same LoGRA without the
-momentum (seed 4's SFT warm start fails for all alike; seeds 0–3: 83.7%, 82.4%, 77.8%).
+momentum (seed 4's SFT warm start fails for all alike on that Xeon; seeds 0–3: 83.7%, 82.4%, 77.8%). A warm start
+whose final loss (the mean of its last 50 SFT steps) is above sft.max_final_loss = 0.1 stops the run before RL with
+an error naming the seed and the loss: healthy ones end at 0.014–0.075 here, that dud ended at 0.587 (its last step).
 The paper's rule (fresh projections every step, no momentum) is two overrides away:
 --config.optimizer.momentum=0 --config.optimizer.refresh=True; the predicted-KL controller one more:
 --config.optimizer.kl_control=True --config.optimizer.kl_budget=0.32 --config.optimizer.ratio_scope=global.
