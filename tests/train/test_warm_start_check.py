@@ -23,7 +23,7 @@ def test_check_warm_start_names_the_seed_and_the_loss():
         check_warm_start({"sft_loss": 0.01, "sft_final_loss": float("nan")}, cfg, seed=0)
     # 0 = not checked; a cache file without the final loss is judged by its last step's
     assert check_warm_start({"sft_loss": 3.0, "sft_final_loss": 3.0}, SFTSection(steps=10), seed=0) == 3.0
-    with pytest.raises(WarmStartError, match="ended at loss 0.3000"):
+    with pytest.raises(WarmStartError, match=r"ended at loss 0\.3000"):
         check_warm_start({"sft_loss": 0.3}, cfg, seed=1)
 
 
