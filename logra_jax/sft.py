@@ -134,8 +134,9 @@ def check_warm_start(metrics: Mapping[str, float], cfg: SFTSection, seed: int) -
         raise WarmStartError(
             f"the SFT warm start of seed {seed} (config.train.seed) ended at loss {loss:.4f} (mean of its last "
             f"{final_window(cfg.steps)} of {cfg.steps} steps), above config.sft.max_final_loss = "
-            f"{cfg.max_final_loss:g}: it has not learnt the demonstrations, and RL from it would not learn either. "
-            "Try another seed or more config.sft.steps, or raise config.sft.max_final_loss to go on from it")
+            f"{cfg.max_final_loss:g}, so RL does not start from it (a warm start left on a plateau of the SFT loss "
+            "gives RL that learns little). Try another seed or more config.sft.steps, or raise "
+            "config.sft.max_final_loss to go on from it")
     return loss
 
 
