@@ -10,7 +10,9 @@ Measured (seed 0, this exact configuration, experiments/momentum's rank study's 
 on the study's 2-core Intel Xeon from an earlier warm start. XLA compiles for the host CPU, and the 1000-step SFT
 amplifies last-bit differences, so seed-exact numbers differ between CPU types. Over 5 seeds (experiments/momentum/README.md) 70.4 ± 30.6%
 after RL, against 69.2 ± 30.7% for AdamW on the same weights and 65.8 ± 28.5% for the same LoGRA without the
-momentum (seed 4's SFT warm start fails for all alike; seeds 0–3: 83.7%, 82.4%, 77.8%).
+momentum (seed 4's SFT warm start fails for all alike on that Xeon; seeds 0–3: 83.7%, 82.4%, 77.8%). A warm start
+whose final loss (the mean of its last 50 SFT steps) is above sft.max_final_loss = 0.1 stops the run before RL with
+an error naming the seed and the loss: healthy ones end at 0.014–0.075 here, that dud ended at 0.587 (its last step).
 The paper's rule (fresh projections every step, no momentum) is two overrides away:
 --config.optimizer.momentum=0 --config.optimizer.refresh=True; the predicted-KL controller one more:
 --config.optimizer.kl_control=True --config.optimizer.kl_budget=0.32 --config.optimizer.ratio_scope=global.
@@ -35,8 +37,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
                                   num_kv_heads=2, head_dim=32, max_seq_len=64))
     c.task.update(kind="arithmetic", difficulty=2, operations="+", carries="some", train_size=4096, eval_size=256,
                   prompt_style="compact", seed=0)
+    # max_final_loss: a warm start that ends on one of the SFT's plateaus (loss ≈ 0.5-1.1) stops the run, naming the
+    # seed and the loss, instead of 200 RL steps that cannot learn (module docstring).
     c.sft.update(steps=1000, batch_size=64, learning_rate=3e-3, difficulty=2, operations="+", carries="none",
-                 train_size=4000, task_examples=100)
+                 train_size=4000, task_examples=100, max_final_loss=0.1)
     c.rollout.update(prompts_per_step=16, num_samples=16, max_new_tokens=5, temperature=1.0, workers=0)
     c.algorithm.update(estimator="grpo", policy="ppo", tis_cap=2.0, aggregation="token_mean")
     # The best LoGRA setting of experiments/momentum (5 seeds): a fixed update ratio applied per layer, and a first
@@ -48,6 +52,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.train.update(steps=200, microbatches=2, seed=0, eval_every=50, checkpoint_every=50, keep_checkpoints=2)
     if arg == "runlocal":
         c.sft.steps = 20
+        c.sft.max_final_loss = 0.0  # 20 steps check the plumbing, not the learning
         c.task.eval_size = 32
         c.train.steps = 4
         c.train.eval_every = 0

@@ -2,8 +2,10 @@
 
 Each run is `logra_jax.train.train_and_evaluate` in its own worker process (fresh JAX, one CPU device), `jobs` at a
 time, in its own workdir (resumed if it already finished: delete `runs/` to start over). For every variant the
-summary holds, per seed: held-out greedy accuracy before/after RL, the last rewards, median step time, the
-process's peak RSS and the train step's compile-only per-device bytes; and across seeds: mean ± std.
+summary holds, per seed: held-out greedy accuracy before/after RL, the SFT warm start's final loss (None without
+one, or from a run that did not record it), the last rewards, median step time, the process's peak RSS and the
+train step's compile-only per-device bytes; and across seeds: mean ± std. A warm start above its config's
+`sft.max_final_loss` stops the sweep with that run's `WarmStartError` (naming the seed and the loss).
 Output: results.json, a markdown table (printed and returned) and curve plots (reward, held-out accuracy).
 """
 
@@ -211,6 +213,7 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
             tail = steps[-max(len(steps) // 5, 1):]
             per_seed.append({
                 "seed": seed, "accuracy_before": s["accuracy_before"], "accuracy_after": s["accuracy_after"],
+                "sft_final_loss": (s.get("sft") or {}).get("final_loss"),
                 "gain": s["accuracy_after"] - s["accuracy_before"],
                 "final_reward": statistics.fmean(r["reward_mean"] for r in tail),
                 "step_time_median": statistics.median(r["step_time"] for r in steps),

@@ -142,7 +142,9 @@ class SFTSection:
     are `train_size` easier arithmetic problems (difficulty, operations, carries as in rl.tasks.TaskSpec) plus
     `task_examples` problems of the RL task itself (generated tasks only). Held-out problems are never among
     them (see builders.build_tasks). cache_dir: when set, the warm-start weights are stored there keyed by
-    everything they depend on (model, task, SFT settings, seed) and reused by later runs with the same key."""
+    everything they depend on (model, task, SFT settings, seed) and reused by later runs with the same key.
+    max_final_loss: the run stops with `sft.WarmStartError` (naming the seed and the loss) when the warm start's
+    final loss (the mean of its last 5% of steps) is above it, before any RL step; 0 = not checked."""
 
     steps: int = 0
     batch_size: int = 32
@@ -153,6 +155,7 @@ class SFTSection:
     carries: str = "any"
     task_examples: int = 0
     cache_dir: str = ""
+    max_final_loss: float = 0.0
 
     def spec(self, seed: int) -> TaskSpec:
         """The generator of the easier demonstrations (additions etc. of `difficulty`) with `seed`.
@@ -170,6 +173,7 @@ class SFTSection:
         self.spec(0)
         _check_range("sft", "train_size", self.train_size, 1)
         _check_range("sft", "task_examples", self.task_examples, 0)
+        _check_range("sft", "max_final_loss", self.max_final_loss, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

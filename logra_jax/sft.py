@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -72,8 +73,11 @@ def supervised_warm_start(model: nnx.Module, tokenizer: TextTokenizer, fmt: Prom
 
     Batches of cfg.batch_size problems are drawn uniformly (seeded) from `problems`; only target tokens
     (answer + EOS) carry loss. The step runs on `mesh` (default: one device) with the weights, AdamW moments and
-    batch rows sharded by the rules (`sft_step`); every process draws the same batches. Returns the last step's
-    metrics (loss, seconds).
+    batch rows sharded by the rules (`sft_step`); every process draws the same batches.
+
+    Returns:
+      sft_loss (the last step's loss), sft_final_loss (the mean loss of the last `final_window(cfg.steps)`
+      steps: what `check_warm_start` judges) and step_time (the last step's seconds).
     """
     if cfg.steps < 1:
         raise ValueError(f"supervised_warm_start: cfg.steps must be >= 1, got {cfg.steps}")
@@ -85,6 +89,7 @@ def supervised_warm_start(model: nnx.Module, tokenizer: TextTokenizer, fmt: Prom
     state = init(params)
     rng = np.random.default_rng(seed)
     metrics: dict[str, float] = {}
+    final = collections.deque(maxlen=final_window(cfg.steps))
     for i in range(cfg.steps):
         start = time.perf_counter()
         picks = rng.integers(0, len(problems), cfg.batch_size)
@@ -93,11 +98,46 @@ def supervised_warm_start(model: nnx.Module, tokenizer: TextTokenizer, fmt: Prom
         loss = float(out["loss"])
         if not np.isfinite(loss):
             raise FloatingPointError(f"supervised_warm_start: loss is {loss} at SFT step {i}")
-        metrics = {"sft_loss": loss, "step_time": time.perf_counter() - start}
+        final.append(loss)
+        metrics = {"sft_loss": loss, "sft_final_loss": float(np.mean(final)), "step_time": time.perf_counter() - start}
         if on_step is not None:
             on_step(i, metrics)
     nnx.update(model, state.params)
     return metrics
+
+
+def final_window(steps: int) -> int:
+    """How many of the warm start's last steps its final loss averages: the last 5% (at least one), the length of
+    its warm-up, so that one lucky or unlucky batch does not decide it."""
+    return max(steps // 20, 1)
+
+
+class WarmStartError(RuntimeError):
+    """The SFT warm start ended above `sft.max_final_loss`: RL from it would start from a model that has not
+    learnt the demonstrations."""
+
+
+def final_loss(metrics: Mapping[str, float]) -> float:
+    """The warm start's final loss from its metrics (`supervised_warm_start`'s, or a cache file's); a cache file
+    written before the final loss was recorded holds only the last step's loss, which stands in for it."""
+    return float(metrics.get("sft_final_loss", metrics["sft_loss"]))
+
+
+def check_warm_start(metrics: Mapping[str, float], cfg: SFTSection, seed: int) -> float:
+    """The warm start's final loss, checked against cfg.max_final_loss (0: not checked).
+
+    Raises:
+      WarmStartError: the final loss is above cfg.max_final_loss (names the seed, the loss and the field).
+    """
+    loss = final_loss(metrics)
+    if cfg.max_final_loss > 0 and not loss <= cfg.max_final_loss:
+        raise WarmStartError(
+            f"the SFT warm start of seed {seed} (config.train.seed) ended at loss {loss:.4f} (mean of its last "
+            f"{final_window(cfg.steps)} of {cfg.steps} steps), above config.sft.max_final_loss = "
+            f"{cfg.max_final_loss:g}, so RL does not start from it (a warm start left on a plateau of the SFT loss "
+            "gives RL that learns little). Try another seed or more config.sft.steps, or raise "
+            "config.sft.max_final_loss to go on from it")
+    return loss
 
 
 def cached_warm_start(model: nnx.Module, warm_start: Callable[[], dict[str, float]], cache_dir: str | Path,

@@ -68,7 +68,7 @@ with requires_extra("rl", "logra_jax.train"):
     from logra_jax.rollout.engine import rollout_engine
     from logra_jax.rollout.sampling import SamplingConfig
     from logra_jax.run_config import RunConfig
-    from logra_jax.sft import cached_warm_start, supervised_warm_start
+    from logra_jax.sft import cached_warm_start, check_warm_start, final_window, supervised_warm_start
     from logra_jax.sharding import (
         abstract_sharded,
         batch_shardings,
@@ -127,7 +127,9 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     ends with a `stopped:` line saying why the run ended.
 
     Returns:
-      Summary: accuracy_before / accuracy_after (held-out greedy), steps, seconds, final reward.
+      Summary: accuracy_before / accuracy_after (held-out greedy; before = after the SFT warm start), steps,
+      seconds, prompt_length, and sft: the warm start's record (steps, final_loss, last_loss, cached; None
+      without one).
 
     Raises:
       ValueError: invalid config (names the field and value), a config change that a checkpoint cannot take,
@@ -135,6 +137,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
         generated tokens (names the step).
       metrics.NonFiniteMetricError: a guarded metric became NaN/inf (names the step and metric).
       KLRefusalError: the KL controller refused 3 consecutive updates (non-finite or negative predicted q).
+      sft.WarmStartError: the SFT warm start ended above config.sft.max_final_loss (names the seed and the loss).
       lifecycle.RunPreempted: a SIGTERM / SIGINT stopped the run (after checkpointing the step it names).
       checkpoint.CheckpointError / FileNotFoundError: an unwritable checkpoint directory, a failed save, or an
         unreadable checkpoint (names the directory, the step and what to set to resume from another one).
@@ -278,12 +281,19 @@ def _start(run: RunConfig, workdir: Path, log: metrics_lib.Logger, resume_step: 
 
 
 def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: StopRequests,
-                resume_step: int | None) -> bool:
+                resume_step: int | None) -> dict[str, Any] | None:
     """Phase "warm start": the SFT steps on the mesh (weights, AdamW moments and batch rows in their shards),
     or its cached weights. A resumed run repeats it (deterministic) only for the KL penalty's reference.
-    Returns whether it ran (or was loaded)."""
+
+    Returns:
+      The warm start's record (steps, final_loss, last_loss, cached) for summary.json and the checkpoints; None
+      when it did not run.
+
+    Raises:
+      sft.WarmStartError: its final loss is above config.sft.max_final_loss (names the seed and the loss).
+    """
     if not run.sft.steps or (resume_step is not None and run.algorithm.kl_beta <= 0):
-        return False
+        return None
     again = "" if resume_step is None else " again, for the KL penalty's reference policy"
     log(f"SFT warm start{again}: {run.sft.steps} steps on {len(job.tasks.sft_problems)} easier problems")
     sft_len = job.prompt_len + run.rollout.max_new_tokens
@@ -298,15 +308,19 @@ def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: Stop
                                                sft_len, seed=run.train.seed, on_step=stop_during_sft, mesh=job.mesh)
     if run.sft.cache_dir:  # the warm start depends only on these: compute it once, start every run from it
         settings = run.to_dict()
+        # Where the weights are stored and the check applied to them are not what they are.
         key = {"model": settings["model"], "task": settings["task"], "seed": run.train.seed, "length": sft_len,
-               "sft": {k: v for k, v in settings["sft"].items() if k != "cache_dir"}}
+               "sft": {k: v for k, v in settings["sft"].items() if k not in ("cache_dir", "max_final_loss")}}
         sft, cached = cached_warm_start(job.model, warm_start, run.sft.cache_dir, key)
         if cached:
             log(f"SFT weights loaded from the cache in {run.sft.cache_dir}")
     else:
-        sft = warm_start()
-    log(f"SFT done: loss {sft['sft_loss']:.4f}")
-    return True
+        sft, cached = warm_start(), False
+    record = {"steps": run.sft.steps, "final_loss": check_warm_start(sft, run.sft, run.train.seed),
+              "last_loss": sft["sft_loss"], "cached": cached}
+    log(f"SFT done: final loss {record['final_loss']:.4f} (mean of the last {final_window(run.sft.steps)} steps; "
+        f"last step {record['last_loss']:.4f})")
+    return record
 
 
 def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests, reward_fn: RewardFn | None,
@@ -325,9 +339,12 @@ def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopReque
     _closes(opened, writer)
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
-    if _warm_start(run, job, log, stop, resume_step):
+    sft = _warm_start(run, job, log, stop, resume_step)
+    if sft is not None:
         log(metrics_lib.describe_device_balance("the warm start"))
     t = _trainer(run, job, ckpt, candidates, workdir, log, writer, opened)
+    if sft is not None:  # a resumed run that repeated it; otherwise the checkpoint's record stands
+        t.warm_start = sft
     _rl_loop(run, job, t, log, stop, reward_fn, ckpt, writer, opened)
     return _finish(run, workdir, t, log, writer, opened, wall_start)
 
@@ -354,6 +371,7 @@ class _LoopState:
     greedy: SamplingConfig
     start: int
     accuracy_before: float = float("nan")
+    warm_start: dict[str, Any] | None = None  # `_warm_start`'s record (a resumed run: its checkpoint's)
 
     def evaluate(self, run: RunConfig, log: metrics_lib.Logger, show: str = "") -> float:
         """Held-out greedy accuracy with the trainer's current weights, decoded by the rollout engine (which holds
@@ -429,6 +447,7 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
         data_iter.set_state(data_state)
         writer.truncate_after(resume_step)
         t.accuracy_before = extra["accuracy_before"]
+        t.warm_start = extra.get("sft")  # absent from checkpoints written before the record was kept
         log(f"resumed from checkpoint step {resume_step}")
     else:
         t.accuracy_before = t.evaluate(run, log, show="before RL")
@@ -532,7 +551,8 @@ def _checkpoint_or_stop(run: RunConfig, t: _LoopState, step: int, stop: StopRequ
     signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
     must = signum is not None or (last and run.train.checkpoint_every > 0)
     ckpt.save(step + 1, (t.state, t.est_state), data_state=t.data_iter.get_state(),
-              extra={"accuracy_before": t.accuracy_before}, force=must and not ckpt.should_save(step + 1))
+              extra={"accuracy_before": t.accuracy_before, "sft": t.warm_start},
+              force=must and not ckpt.should_save(step + 1))
     ckpt.check_for_errors()  # a failed background save stops the run here, naming the directory
     if signum is not None and not last:
         ckpt.wait_until_finished()
@@ -580,7 +600,7 @@ def _finish(run: RunConfig, workdir: Path, t: _LoopState, log: metrics_lib.Logge
     writer.write(steps_done, {"eval_accuracy": accuracy_after})
     opened.close()  # the final checkpoint written, the metrics file complete
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
-               "seconds": time.perf_counter() - wall_start, "prompt_length": t.job.prompt_len}
+               "seconds": time.perf_counter() - wall_start, "prompt_length": t.job.prompt_len, "sft": t.warm_start}
     if multihost.is_primary():
         write_json_atomic(workdir / "summary.json", summary)
         metrics_lib.plot_curves(workdir / "metrics.jsonl", ["reward_mean", "accuracy", "eval_accuracy"],

@@ -56,6 +56,8 @@ FIELD_MEANINGS: dict[str, str] = {
                          "held-out problems never are).",
     "sft.cache_dir": "When set, the warm-start weights are stored there, keyed by everything they depend on, and "
                      "reused by later runs with the same key.",
+    "sft.max_final_loss": "The run stops with a `WarmStartError` naming the seed and the loss when the warm start's "
+                          "final loss (the mean of its last 5% of steps) is above this, before RL; 0 = not checked.",
     "rollout.prompts_per_step": "Prompts per RL update (a multiple of `mesh_data × mesh_fsdp` on several "
                                 "hosts).",
     "rollout.num_samples": "Responses sampled per prompt (the group size of GRPO-style estimators).",

@@ -54,12 +54,14 @@ def test_runs_from_the_cache_equal_the_run_that_filled_it(tmp_path):
         "optimizer": {"name": "adamw", "learning_rate": 1e-3},
         "train": {"steps": 1},
     }
-    rows = {}
+    rows, sft = {}, {}
     for run in ("fills", "reuses"):
-        train_and_evaluate(config, tmp_path / run)
+        sft[run] = train_and_evaluate(config, tmp_path / run)["sft"]
         lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
         rows[run] = [{k: v for k, v in json.loads(line).items() if "time" not in k and "rss" not in k}
                      for line in lines]
     assert rows["fills"] == rows["reuses"]
+    assert (sft["fills"].pop("cached"), sft["reuses"].pop("cached")) == (False, True)
+    assert sft["fills"] == sft["reuses"]  # the warm start's losses come with its weights
     assert "loaded from the cache" in (tmp_path / "reuses" / "log.txt").read_text()
     assert len(list(Path(tmp_path / "cache").glob("sft-*.npz"))) == 1
