@@ -123,6 +123,25 @@ class NullWriter:
         pass
 
 
+def _import_tensorboardx() -> Any:
+    """tensorboardX, imported on first use (it pulls in protobuf), without the torch it imports when installed.
+
+    tensorboardX's writer imports torch only to recognise torch tensors, which this module never passes (it
+    writes Python floats); where torch is installed (the dev requirements) that import costs every job process
+    seconds. A process that has already imported torch keeps it.
+    """
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        import tensorboardX
+
+        return tensorboardX
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
+    try:
+        import tensorboardX
+    finally:
+        del sys.modules["torch"]
+    return tensorboardX
+
+
 class MetricsWriter:
     """Appends {"step": n, **metrics} lines to workdir/metrics.jsonl and scalars to TensorBoard event files.
 
@@ -169,8 +188,7 @@ class MetricsWriter:
 
     def _summary_writer(self) -> Any:
         if self._tb is None:
-            import tensorboardX  # imported on first use: it pulls in protobuf
-
+            tensorboardX = _import_tensorboardx()
             # Event files are named by the second they were opened in and opened with "wb": a suffix unique to
             # this writer keeps a reopened writer (after truncate_after) from overwriting the previous file.
             self._opened += 1

@@ -34,12 +34,13 @@ pytestmark = pytest.mark.xdist_group("multihost_main")
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
-# The demo config, shortened: SFT from a shared cache, 2 RL steps of 8 prompts × 4 samples with KL control, a
+# The demo config, shortened: SFT from a shared cache, 2 RL steps of 4 prompts × 4 samples with KL control, a
 # checkpoint per step; the format bonus gives the still-weak policy rewards that differ within a group, so every
-# step learns.
+# step learns. 16 rows and 4 held-out problems: a row per device and two per data shard, the fewest that keep
+# every device and both processes busy in every phase (CI time: every run here is a job start).
 OVERRIDES = ("--config.train.mesh_data=2", "--config.train.mesh_fsdp=4", f"--config.train.steps={STEPS}",
              "--config.train.checkpoint_every=1", f"--config.train.keep_checkpoints={STEPS}",
-             "--config.task.eval_size=8", "--config.rollout.prompts_per_step=8", "--config.rollout.num_samples=4",
+             "--config.task.eval_size=4", "--config.rollout.prompts_per_step=4", "--config.rollout.num_samples=4",
              "--config.algorithm.format_weight=0.5", "--config.sft.steps=10", "--config.task.train_size=512",
              "--config.sft.train_size=512",
              # the predicted-KL controller, whose probe responses are gathered from every process's rows
