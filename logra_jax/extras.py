@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-EXTRAS = ("rl",)  # pyproject.toml's extras that library modules need (the others: accelerators, docs, dev tools)
+EXTRAS = ("rl", "vllm")  # pyproject.toml's extras that library modules need (the others: accelerators, docs, dev tools)
 
 
 @contextlib.contextmanager

@@ -25,5 +25,6 @@ def test_a_missing_logra_jax_module_and_other_errors_pass_unchanged():
 
 
 def test_an_unknown_extra_is_refused():
-    with pytest.raises(ValueError, match=r"extra must be one of \('rl',\), got 'gpu'"), requires_extra("gpu", "m"):
+    refused = pytest.raises(ValueError, match=r"extra must be one of \('rl', 'vllm'\), got 'gpu'")
+    with refused, requires_extra("gpu", "m"):
         pass
