@@ -9,9 +9,6 @@ Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (tensors are handed to the worker extensi
 
 from __future__ import annotations
 
-import argparse
-import signal
-import socket
 import sys
 import traceback
 from typing import Any
@@ -20,7 +17,7 @@ import numpy as np
 import torch
 
 from logra_jax.rollout.vllm_ext import TorchMasters, hf_tensors
-from logra_jax.rollout.wire import Channel, FrameError, check_secret, client_handshake, pack, secret_from_env, unpack
+from logra_jax.rollout.wire import Channel, FrameError, pack, run_engine, unpack
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -125,18 +122,7 @@ def serve(chan: Channel) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="LoGRA vLLM rollout engine (started by VLLMEngine)")
-    parser.add_argument("--connect", required=True, help="HOST:PORT the trainer listens on")
-    parser.add_argument("--secret-stdin", action="store_true",
-                        help="read the run secret (hex) from stdin; otherwise from $LOGRA_ROLLOUT_SECRET")
-    args = parser.parse_args(argv)
-    secret = check_secret(bytes.fromhex(sys.stdin.readline().strip()), "stdin") if args.secret_stdin \
-        else secret_from_env()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer shuts us down at its next step boundary
-    host, port = args.connect.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        serve(client_handshake(sock, secret))
+    run_engine(argv, "LoGRA vLLM rollout engine (started by VLLMEngine)", serve)
 
 
 if __name__ == "__main__":

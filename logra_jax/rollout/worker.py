@@ -19,11 +19,9 @@ needs the same backend on both ends) and, on CPU, on one device whatever XLA_FLA
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -52,10 +50,9 @@ from logra_jax.rollout.wire import (
     PayloadError,
     accept_engine,
     check_secret,
-    client_handshake,
     new_secret,
     pack,
-    secret_from_env,
+    run_engine,
     unpack,
 )
 from logra_jax.tree_paths import path_str
@@ -454,20 +451,7 @@ def serve(chan: Channel, worker: RolloutWorker | None = None) -> RolloutWorker |
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="LoGRA rollout worker (started by WorkerProcessTransport)")
-    parser.add_argument("--connect", required=True, help="HOST:PORT the trainer listens on")
-    parser.add_argument("--secret-stdin", action="store_true",
-                        help="read the run secret (hex) from stdin; otherwise from $LOGRA_ROLLOUT_SECRET")
-    args = parser.parse_args(argv)
-    secret = check_secret(bytes.fromhex(sys.stdin.readline().strip()), "stdin") if args.secret_stdin \
-        else secret_from_env()
-    # Ctrl-C in a terminal reaches the whole process group: the trainer stops at its next step boundary and then
-    # shuts this worker down itself, so the worker must not die under it mid-rollout.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    host, port = args.connect.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        serve(client_handshake(sock, secret))
+    run_engine(argv, "LoGRA rollout worker (started by WorkerProcessTransport)", serve)
 
 
 if __name__ == "__main__":
