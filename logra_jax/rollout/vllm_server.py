@@ -10,6 +10,7 @@ Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (tensors are handed to the worker extensi
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -40,11 +41,15 @@ class Server:
         self.masters = TorchMasters(hello["shapes"])
 
     def sync(self, body: memoryview) -> dict[str, Any]:
+        """Apply a payload to the masters, then reload the changed tensors into vLLM; the reply's seconds hold
+        the masters' phases (check, apply) and "reload" (checkpoint tensors built and loaded by vLLM)."""
         reply, changed = self.masters.receive(body)
         if changed:
+            start = time.perf_counter()
             tensors = [(name, t.to(self.dtype)) for p in changed if p in self.table
                        for name, t in hf_tensors(self.table, p, self.masters.params[p])]
             self.llm.collective_rpc("logra_reload", args=(tensors,))
+            reply["seconds"]["reload"] = time.perf_counter() - start
         return reply
 
     def generate(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
