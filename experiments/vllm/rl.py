@@ -136,7 +136,9 @@ def report(runs_dir: Path = RUNS, out: Path = HERE) -> dict[str, Any]:
             run_["syncs"] = _lines(workdir / "sync.jsonl")
         runs[workdir.name] = run_
     record = {"command": "python -m experiments.vllm.rl --engine {jax,vllm} --seed K; python -m experiments.vllm.rl "
-                      "--report", "overrides": {e: overrides(e) for e in ENGINES}, "runs": runs}
+                      "--report", "runs": runs,
+              "overrides": {e: overrides(e, vllm_python=".venv-vllm/bin/python") for e in ENGINES}}
+    out.mkdir(parents=True, exist_ok=True)
     (out / "rl.json").write_text(json.dumps(record, indent=1) + "\n")
     text = _tables(runs)
     (out / "rl.md").write_text(text + "\n")
@@ -158,18 +160,21 @@ _SPLIT = (lambda x: x["bytes"], lambda x: x["seconds"], lambda x: x["build_secon
 def _tables(runs: dict[str, dict[str, Any]]) -> str:
     lines = ["| run | steps | held-out before | after | every 10 steps | largest drop | rollout_mismatch (median, max) "
              "| tis_weight (median) | resyncs | rollout phase (s, median) | response tokens/s in it | step time (s, "
-             "median) |", "|---" * 12 + "|"]
+             "median, without the drift fetch) |", "|---" * 12 + "|"]
     for name, r in runs.items():
         s, steps, evals = r["summary"], r["steps"], r["evals"]
         mismatch = [x["rollout_mismatch"] for x in steps]
         rate = [x["response_length"] * ROWS / x["rollout_time"] for x in steps]
+        # the step's time without this study's own fetch of vLLM's masters (the exact drift)
+        fetch = {x["version"]: x["fetch_seconds"] for x in r.get("syncs", ()) if x["kind"] == "publish"}
+        step_time = [x["step_time"] - fetch.get(x["step"], 0.0) for x in steps]
         after = f"{s['accuracy_after']:.3f}" if s else "(running)"
         lines.append(f"| {name} | {len(steps)} | {evals[0][1]:.3f} | {after} | "
                      f"{' '.join(f'{a:.2f}' for _, a in evals)} | {r['largest_drop']:.3f} | "
                      f"{_median(mismatch):.1e}, {max(mismatch):.1e} | "
                      f"{_median([x['tis_weight'] for x in steps]):.4f} | {int(steps[-1]['sync_resyncs'])} | "
                      f"{_median([x['rollout_time'] for x in steps]):.1f} | {_median(rate):.0f} | "
-                     f"{_median([x['step_time'] for x in steps]):.1f} |")
+                     f"{_median(step_time):.1f} |")
     for name, r in runs.items():
         if "syncs" not in r:
             continue
