@@ -28,18 +28,21 @@ from logra_jax.tree_paths import path_str
 
 # Logical axes of the cache's k / v [L, B, S, Hkv, hd]: rows over the batch axes, KV heads over tensor.
 KV_AXES = ("layers", "batch", "length", "act_kv_heads", None)
+# A per-layer cache's buffers [B, Hkv, S, hd]: heads before positions, the layout a decode step's batched attention
+# reads in place (stored [B, S, Hkv, hd], XLA:GPU transposes every buffer into and out of the decode loop).
+KV_LAYER_AXES = ("batch", "act_kv_heads", "length", None)
 
 
 def constrain_kv(kv: jax.Array | tuple[jax.Array, ...]) -> jax.Array | tuple[jax.Array, ...]:
     """A cache's k or v (stacked, or a per-layer tuple) constrained to `KV_AXES`."""
     if isinstance(kv, tuple):
-        return tuple(constrain(x, KV_AXES[1:]) for x in kv)
+        return tuple(constrain(x, KV_LAYER_AXES) for x in kv)
     return constrain(kv, KV_AXES)
 
 
 class KVCache(NamedTuple):
     """Decoding state. k, v: [L, B, S, Hkv, hd], or (a per-layer cache, `ModelConfig.decode_unroll`) tuples of L
-    buffers [B, S, Hkv, hd]; valid: [B, S] slots holding real tokens;
+    buffers [B, Hkv, S, hd]; valid: [B, S] slots holding real tokens;
     positions: [B] next RoPE position per sequence; index: [B] next slot to write, per sequence (a continuous-
     batching engine refills one row's slots while the others go on)."""
 
@@ -178,9 +181,9 @@ class Decoder(nnx.Module):
         if max_len > c.max_seq_len:
             raise ValueError(f"init_cache: max_len={max_len} exceeds ModelConfig.max_seq_len={c.max_seq_len}")
         dtype = self.compute_dtype if dtype is None else dtype
-        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
-        empty = lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)) if c.decode_unroll
-                         else jnp.zeros((c.num_layers, *shape), dtype))
+        per_layer = (batch, c.num_kv_heads, max_len, c.head_dim)
+        empty = lambda: (tuple(jnp.zeros(per_layer, dtype) for _ in range(c.num_layers)) if c.decode_unroll
+                         else jnp.zeros((c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim), dtype))
         k, v = constrain_kv(empty()), constrain_kv(empty())
         return KVCache(k=k, v=v,
                        valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch,), jnp.int32),

@@ -20,12 +20,15 @@ from logra_jax.sharding import constrain
 
 
 def write_stacked_rows(stack: jax.Array, layer: jax.Array | None, rows: jax.Array, index: jax.Array) -> jax.Array:
-    """stack [L, B, S, ...] with rows [B, T, ...] (cast to its dtype) written at [layer, b, index[b] : index[b] + T]
-    (a scatter of the rows alone: the stack is updated in place, not copied); positions past S are dropped.
-    layer None: `stack` is one layer's buffer [B, S, ...]."""
+    """stack [L, B, S, H, hd] with rows [B, T, H, hd] (cast to its dtype) written at [layer, b, index[b] :
+    index[b] + T] (a scatter of the rows alone: the stack is updated in place, not copied); positions past S are
+    dropped. layer None: `stack` is one layer's buffer [B, H, S, hd] (a per-layer cache), written at [b, :,
+    index[b] : index[b] + T]."""
     B, T = rows.shape[:2]
     slots = index[:, None] + jnp.arange(T)[None, :]
-    where = (jnp.arange(B)[:, None], slots) if layer is None else (layer, jnp.arange(B)[:, None], slots)
+    b = jnp.arange(B)[:, None]
+    # The advanced indices [B, T] go first in the update's shape, so rows [B, T, H, hd] fit either form.
+    where = (b, slice(None), slots) if layer is None else (layer, b, slots)
     return stack.at[where].set(rows.astype(stack.dtype), mode="drop")
 
 
@@ -248,7 +251,7 @@ class Attention(nnx.Module):
                  cache: tuple[jax.Array, jax.Array] | None = None, write_index: jax.Array | None = None,
                  layer: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B, T, D] → [B, T, D]; q_slots [B, T] are the queries' cache slots (causality). With a cache (the
-        stacked k, v [L, B, S, Hkv, hd] of every layer, or this layer's own k, v [B, S, Hkv, hd]: a per-layer
+        stacked k, v [L, B, S, Hkv, hd] of every layer, or this layer's own k, v [B, Hkv, S, hd]: a per-layer
         cache) row b's new keys are written at [layer, b, write_index[b]] (in place) and attention runs over the
         layer's first S' cache positions, S' = key_valid's length ([B, S'] marks real tokens).
         `layer` (the layer's index: traced under the decoder's scan, a Python int in its per-layer loop) selects
@@ -291,8 +294,9 @@ class Attention(nnx.Module):
             at = None if per_layer else layer
             cache = tuple(write_stacked_rows(stack, at, new, write_index) for stack, new in zip(cache, (k, v)))
             read = key_valid.shape[1]
-            k, v = ((stack if per_layer else jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False))
-                    [:, :read].astype(x.dtype) for stack in cache)
+            k, v = ((jnp.swapaxes(stack[:, :, :read], 1, 2) if per_layer else
+                     jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False)[:, :read]).astype(x.dtype)
+                    for stack in cache)
             key_positions = cache_key_positions(key_valid) if window is not None else None
         qg = q.reshape(B, T, c.num_kv_heads, G, c.head_dim)
         scale = (c.head_dim if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar) ** -0.5
