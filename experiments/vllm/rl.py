@@ -214,10 +214,12 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
                          style, color=color, label=name)
         if "syncs" in r:
             d = [x for x in r["syncs"] if x["kind"] == "publish"]
-            axes[2].semilogy([x["version"] for x in d], [x["drift_rel_max"] for x in d], style, color=color,
-                             label=f"{name}: exact, relative")
-            axes[2].semilogy([x["version"] for x in d], [x["drift_max"] for x in d], ":", color=color,
-                             label=f"{name}: exact, absolute")
+            axes[2].plot([x["version"] for x in d], [x["drift_rel_max"] for x in d], style, color=color,
+                         label=f"{name}: exact, relative")
+            axes[2].plot([x["version"] for x in d], [x["drift_max"] for x in d], ":", color=color,
+                         label=f"{name}: exact, absolute")
+            axes[2].set_yscale("symlog", linthresh=1e-9)  # zero (bit for bit) stays on the plot
+            axes[2].set_ylim(bottom=0)
             wire = [x["seconds"] - x["build_seconds"] - sum(x["engine_seconds"].values()) for x in d]
             parts = {"trainer build": [x["build_seconds"] for x in d], "wire": wire,
                      "engine check + merge": [x["engine_seconds"]["check"] + x["engine_seconds"]["apply"] for x in d],
@@ -226,7 +228,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
             axes[3].set_title(f"sync to vLLM, {name} (s per publication)")
     axes[0].set(xlabel="RL step", ylabel="held-out greedy accuracy",
                 title="held-out accuracy (vLLM solid, ours dashed)")
-    axes[1].set(xlabel="RL step", ylabel="rollout_mismatch", title="log-prob mismatch the TIS cap sees")
+    axes[1].set(xlabel="RL step", ylabel="rollout_mismatch", title="log-prob mismatch the TIS cap sees (0 at 1e-12)")
     axes[2].set(xlabel="publication", ylabel="max |W_vllm − W_trainer|", title="drift of vLLM's masters (exact)")
     axes[3].set(xlabel="publication", ylabel="seconds")
     for ax in axes:
