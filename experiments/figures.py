@@ -57,6 +57,7 @@ SETTINGS: tuple[str, ...] = (
     # meshes and machines: "4 × H100", "8×H100", "2 processes × 4 CPU devices", "fsdp 4 × tensor 2", "2-core"
     r"\b\d+ ?× ?(?:TPU |H100|v5e|v5p|v6e)",
     r"(?:fsdp|tensor) \d+",
+    r"\d+ slots",  # the rollout engine's slots (config.rollout.slots)
     r"\d+ (?:H100s|TPU v5e|processes|process|CPU devices|fake devices|devices|prompts at a time)(?: × \d+)?",
     r"\d+-(?:device|token|step|core|wide)\b",
     r"\((?:16|32) GiB\)|(?:fit|of) (?:16|80) GiB",  # a chip's memory
@@ -278,8 +279,9 @@ def _whole_job() -> Iterator[Quote]:
 
     logra7, adamw7 = plans["7b", "v5e:2x4", "logra_kl"], plans["7b", "v5e:2x4", "adamw_targets"]
     logra27, adamw27 = plans["dense-27b", "h100:8", "logra_kl"], plans["dense-27b", "h100:8", "adamw_targets"]
-    yield from q(REPORT, "LoGRA+KL fits, peak {:.2f} of 16 GiB (the train step; rollout {:.2f} with 32 prompts at a "
-                         "time); AdamW-targets does not (train step refused at {:.2f} GiB; rollout {:.2f}).",
+    yield from q(REPORT, "LoGRA+KL fits, peak {:.2f} of 16 GiB (the policy sync: the cast and reshard into the rollout "
+                         "engine's layout; rollout {:.2f} in 32 slots); AdamW-targets does not (train step refused at "
+                         "{:.2f} GiB; rollout {:.2f}).",
                  peak(logra7), phase(logra7, "rollout"), phase(adamw7, "train step"), phase(adamw7, "rollout"))
     yield from q(REPORT, "LoGRA+KL fits, peak {:.2f} of 80 GiB (the rollout); AdamW-targets does not ({:.2f})",
                  peak(logra27), peak(adamw27))
@@ -306,8 +308,9 @@ def _dropin() -> Iterator[Quote]:
 
 def _rollout_plans() -> Iterator[Quote]:
     q = _quoter("experiments/rollout/plans.json")
-    row = next(c for c in _json("experiments/rollout/plans.json")["cells"] if c["cell"] == "7b@v5e:2x4")
-    yield from q(README, "for the paper's 7B recipe on v5e:2x4 it is {:.2f}× the floor", row["ratio_to_floor"])
+    cells = {c["cell"]: c for c in _json("experiments/rollout/plans.json")["cells"]}
+    yield from q(README, "for the paper's 7B recipe on v5e:2x4 it is {:.2f}× the floor, and for Gemma-3-27B on "
+                         "h100:8 {:.2f}×", cells["7b@v5e:2x4"]["ratio_to_floor"], cells["27b@h100:8"]["ratio_to_floor"])
 
 
 # --- learning: experiments/sweep.py's results files ------------------------------------------------------------

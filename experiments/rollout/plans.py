@@ -2,6 +2,8 @@ r"""One decode step and the whole rollout of the paper's recipe on paper, by the
 
   python experiments/rollout/plans.py                # every cell (compile-only venvs: make venv-tpu venv-cuda)
   python experiments/rollout/plans.py --cells 7b@v5e:2x4 --python /path/to/venv/bin/python
+  python experiments/rollout/plans.py --cells 27b@h100:8 \
+      --planned 27b@h100:8=experiments/memory/whole_job_cells/27b@h100_8@logra_kl.json   # a whole-job plan's rollout
 
 Each cell is `python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:SIZE --target=TARGET --phases rollout
 --json ...` (prompts of 512 tokens, responses ≤ 3,072, 256 prompts in 32 slots), run with the target's
@@ -33,18 +35,24 @@ def _python(target: str, override: str | None) -> str:
     return str(REPO / venv / "bin" / "python")
 
 
-def _plan(cell: str, python: str | None) -> dict:
+def _plan(cell: str, python: str | None, planned: Path | None = None) -> dict:
+    """One cell: `logra_jax.plan --phases rollout` run now, or the rollout phase of a plan already made by the same
+    command (`planned`: e.g. a whole-job plan from experiments/memory/whole_job.py, copied beside the others)."""
     size, target = cell.split("@")
     out = HERE / "plans" / f"{size}_{target.replace(':', '-')}.rollout.json"
     out.parent.mkdir(exist_ok=True)
-    command = [_python(target, python), "-m", "logra_jax.plan", f"--config=configs/paper_qwen2.5_math.py:{size}",
-               f"--target={target}", "--phases", "rollout", f"--json={out}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=str(REPO))
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
-    if not out.is_file():
-        raise RuntimeError(f"{cell}: {' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    if planned is not None:
+        out.write_text(planned.read_text())
+    else:
+        command = [_python(target, python), "-m", "logra_jax.plan",
+                   f"--config=configs/paper_qwen2.5_math.py:{size}", f"--target={target}", "--phases", "rollout",
+                   f"--json={out}"]
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=str(REPO))
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+        if not out.is_file():
+            raise RuntimeError(f"{cell}: {' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     plan = json.loads(out.read_text())
-    (phase,) = plan["phases"]
+    phase = next(p for p in plan["phases"] if p["name"] == "rollout")
     step, whole = phase["per_decode_step"], phase["time"]
     return {"cell": cell, "size": size, "target": target, "jax": plan["jax"], "fits": phase["total"] <= plan[
         "hbm_bytes"], "peak_gib": phase["total"] / 2**30, "note": phase["note"], "decode_step": step,
@@ -55,12 +63,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
     parser.add_argument("--python", default=None, help="interpreter with the target's compiler (default: the venv)")
+    parser.add_argument("--planned", nargs="*", default=[], metavar="CELL=PLAN_JSON",
+                        help="take these cells' rollout from plans already made (e.g. whole_job_cells/*.json)")
     args = parser.parse_args()
+    planned = dict(item.split("=", 1) for item in args.planned)
     rows, start = [], time.time()
     for i, cell in enumerate(args.cells):
         eta = f", ETA {(time.time() - start) / i * (len(args.cells) - i) / 60:.0f} min" if i else ""
         print(f"[{i + 1}/{len(args.cells)}] {cell}{eta}", flush=True)
-        rows.append(_plan(cell, args.python))
+        rows.append(_plan(cell, args.python, Path(planned[cell]) if cell in planned else None))
         r = rows[-1]
         print(f"    decode step {r['decode_step']['est_seconds'] * 1e3:.1f} ms = {r['ratio_to_floor']:.2f}× the "
               f"floor; rollout {r['rollout']['est_seconds'] / 60:.1f} min", flush=True)
