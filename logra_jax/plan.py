@@ -268,13 +268,14 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     largest = max(largest, refill_bytes, key=lambda b: b["total"])
     if refused:
         return PhaseBytes(name, largest, others, note, refused)
-    decode_bytes, refused, decode = compiled_bytes(slots_lib.decode, graphdef, state, slots, key, config=sampling,
+    decode_program = slots_lib.decode_program(mesh.devices.flat[0].platform)
+    decode_bytes, refused, decode = compiled_bytes(decode_program, graphdef, state, slots, key, config=sampling,
                                                    bucket=job.prompt_len + sampling.max_new_tokens, mesh=mesh)
     largest = max(largest, decode_bytes, key=lambda b: b["total"])
     if refused:
         return PhaseBytes(name, largest, others, note, refused)
     devices = mesh.devices.size
-    kv_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in (slots.cache.k, slots.cache.v))
+    kv_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((slots.cache.k, slots.cache.v)))
     weights = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
     step = program_time(decode, job.info, (weights + kv_bytes) / devices, loop_iterations=sampling.decode_steps)
     waves = -(-rows // S)
@@ -339,7 +340,8 @@ def _phase_kl_reference(job: _Job) -> PhaseBytes:
     rows = {k: v for k, v in job.trainer.rl_step(run, mesh, job.prompt_len).batch.items()
             if k in ("tokens", "attention_mask")}
     result = compiled_bytes(ref_fn, job.ref, job.trainer_rest, abstract_sharded(rows, batch_shardings(rows, mesh)))
-    return _timed(job, "KL reference", result, job.alive("state", "engine"), "the reference policy's log-probs")
+    return _timed(job, "KL reference", result, job.alive("state"),
+                  "the reference policy's log-probs (the engine has released its copy)")
 
 
 def _phase_train_step(job: _Job) -> PhaseBytes:
@@ -351,8 +353,9 @@ def _phase_train_step(job: _Job) -> PhaseBytes:
                             None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
     probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
     rows = run.rollout.prompts_per_step * run.rollout.num_samples
-    return _timed(job, "train step", result, job.alive("engine", "ref"),
-                  f"{rows} sequences in {run.train.microbatches} microbatches{probe_note}")
+    return _timed(job, "train step", result, job.alive("ref"),
+                  f"{rows} sequences in {run.train.microbatches} microbatches{probe_note} (the engine has released "
+                  "its copy)")
 
 
 def _phase_policy_sync(job: _Job) -> PhaseBytes:

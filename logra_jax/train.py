@@ -492,7 +492,9 @@ def _rollout_and_score(run: RunConfig, job: _Start, t: _LoopState, step: int, ba
 
 def _train_and_publish(run: RunConfig, t: _LoopState, scored: _Scored, step: int) -> dict[str, float]:
     """The jitted train step on the scored rollout (KL reference and KL probe as configured), then the engine
-    brought to the new weights; the step's metrics with the sync's."""
+    brought to the new weights; the step's metrics with the sync's. The engine releases its copy of the weights
+    first (the colocated engine's bf16 copy need not sit beside the train step's peak; publish rebuilds it)."""
+    t.engine.release()
     batch = _rl_batch(scored.rollout, scored.advantages)
     if t.ref_logprobs is not None:
         batch["ref_logprobs"] = t.ref_logprobs(batch)

@@ -72,9 +72,10 @@ class ModelConfig:
         LoGRA projections X Aᵀ of sketch-native targets).
       attention_impl: "dense" materialises [T, T] scores; "chunked" runs an online softmax over key chunks.
       attention_chunk: key-chunk length of the chunked attention.
-      decode_unroll: run the layers of cached decoding unrolled instead of as a loop (the rollout engine sets it
-        for GPUs: XLA:GPU then reads each layer's weights and KV cache in place, where a loop copies each layer's
-        slice out of the stack first).
+      decode_unroll: a per-layer KV cache (`Decoder.init_cache`: one buffer per layer) and the layers of cached
+        decoding unrolled over it instead of scanned over a stacked cache (the rollout engine sets it for GPUs:
+        XLA:GPU then reads each layer's weights and KV cache in place, where a loop copies each layer's slice out
+        of the stacked cache first).
     """
 
     architecture: Architecture = "llama"

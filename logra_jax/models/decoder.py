@@ -28,10 +28,21 @@ from logra_jax.tree_paths import path_str
 
 # Logical axes of the cache's k / v [L, B, S, Hkv, hd]: rows over the batch axes, KV heads over tensor.
 KV_AXES = ("layers", "batch", "length", "act_kv_heads", None)
+# A per-layer cache's buffers [B, Hkv, S, hd]: heads before positions, the layout a decode step's batched attention
+# reads in place (stored [B, S, Hkv, hd], XLA:GPU transposes every buffer into and out of the decode loop).
+KV_LAYER_AXES = ("batch", "act_kv_heads", "length", None)
+
+
+def constrain_kv(kv: jax.Array | tuple[jax.Array, ...]) -> jax.Array | tuple[jax.Array, ...]:
+    """A cache's k or v (stacked, or a per-layer tuple) constrained to `KV_AXES`."""
+    if isinstance(kv, tuple):
+        return tuple(constrain(x, KV_LAYER_AXES) for x in kv)
+    return constrain(kv, KV_AXES)
 
 
 class KVCache(NamedTuple):
-    """Decoding state. k, v: [L, B, S, Hkv, hd]; valid: [B, S] slots holding real tokens;
+    """Decoding state. k, v: [L, B, S, Hkv, hd], or (a per-layer cache, `ModelConfig.decode_unroll`) tuples of L
+    buffers [B, Hkv, S, hd]; valid: [B, S] slots holding real tokens;
     positions: [B] next RoPE position per sequence; index: [B] next slot to write, per sequence (a continuous-
     batching engine refills one row's slots while the others go on)."""
 
@@ -105,6 +116,17 @@ class Decoder(nnx.Module):
 
     def _run_blocks(self, x, positions, q_slots, key_valid, cache: KVCache | None):
         graphdef, state = nnx.split(self.blocks)
+        if cache is not None and isinstance(cache.k, tuple):
+            # A per-layer cache: the layers unrolled, each reading its weights (a static slice of the stack) and
+            # its own k, v buffers in place (XLA:GPU copies a layer's slice out of a stacked, loop-carried cache).
+            ks, vs = [], []
+            for layer in range(self.config.num_layers):
+                block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
+                x, (k, v) = block(x, positions, q_slots, key_valid, (cache.k[layer], cache.v[layer]), cache.index,
+                                  layer)
+                ks.append(k)
+                vs.append(v)
+            return x, (tuple(ks), tuple(vs))
 
         # The cache [L, B, S, Hkv, hd] rides in the carry: each layer scatters its new rows into it in place and
         # reads its own slice (no per-layer copy of the cache in or out of the scan).
@@ -119,8 +141,7 @@ class Decoder(nnx.Module):
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         stacks = None if cache is None else (cache.k, cache.v)
-        unroll = self.config.num_layers if cache is not None and self.config.decode_unroll else 1
-        (x, stacks), _ = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)), unroll=unroll)
+        (x, stacks), _ = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)))
         return x, stacks
 
     def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -155,13 +176,16 @@ class Decoder(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed"))
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
-        """An empty cache of `max_len` slots for `batch` sequences."""
+        """An empty cache of `max_len` slots for `batch` sequences (per layer under `ModelConfig.decode_unroll`)."""
         c = self.config
         if max_len > c.max_seq_len:
             raise ValueError(f"init_cache: max_len={max_len} exceeds ModelConfig.max_seq_len={c.max_seq_len}")
-        shape = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim)
         dtype = self.compute_dtype if dtype is None else dtype
-        return KVCache(k=constrain(jnp.zeros(shape, dtype), KV_AXES), v=constrain(jnp.zeros(shape, dtype), KV_AXES),
+        per_layer = (batch, c.num_kv_heads, max_len, c.head_dim)
+        empty = lambda: (tuple(jnp.zeros(per_layer, dtype) for _ in range(c.num_layers)) if c.decode_unroll
+                         else jnp.zeros((c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim), dtype))
+        k, v = constrain_kv(empty()), constrain_kv(empty())
+        return KVCache(k=k, v=v,
                        valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch,), jnp.int32),
                        index=jnp.zeros((batch,), jnp.int32))
 

@@ -19,12 +19,17 @@ from logra_jax.models.config import ModelConfig
 from logra_jax.sharding import constrain
 
 
-def write_stacked_rows(stack: jax.Array, layer: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
-    """stack [L, B, S, ...] with rows [B, T, ...] (cast to its dtype) written at [layer, b, index[b] : index[b] + T]
-    (a scatter of the rows alone: the stack is updated in place, not copied); positions past S are dropped."""
+def write_stacked_rows(stack: jax.Array, layer: jax.Array | None, rows: jax.Array, index: jax.Array) -> jax.Array:
+    """stack [L, B, S, H, hd] with rows [B, T, H, hd] (cast to its dtype) written at [layer, b, index[b] :
+    index[b] + T] (a scatter of the rows alone: the stack is updated in place, not copied); positions past S are
+    dropped. layer None: `stack` is one layer's buffer [B, H, S, hd] (a per-layer cache), written at [b, :,
+    index[b] : index[b] + T]."""
     B, T = rows.shape[:2]
     slots = index[:, None] + jnp.arange(T)[None, :]
-    return stack.at[layer, jnp.arange(B)[:, None], slots].set(rows.astype(stack.dtype), mode="drop")
+    b = jnp.arange(B)[:, None]
+    # The advanced indices [B, T] go first in the update's shape, so rows [B, T, H, hd] fit either form.
+    where = (b, slice(None), slots) if layer is None else (layer, b, slots)
+    return stack.at[where].set(rows.astype(stack.dtype), mode="drop")
 
 
 def write_rows(buffer: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
@@ -246,10 +251,11 @@ class Attention(nnx.Module):
                  cache: tuple[jax.Array, jax.Array] | None = None, write_index: jax.Array | None = None,
                  layer: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B, T, D] → [B, T, D]; q_slots [B, T] are the queries' cache slots (causality). With a cache (the
-        stacked k, v [L, B, S, Hkv, hd] of every layer) row b's new keys are written at [layer, b, write_index[b]]
-        and attention runs over layer `layer`'s whole cache; `key_valid` [B, S] marks real tokens.
-        `layer` (the layer's index, traced under the decoder's scan) selects the sliding window and RoPE base of
-        that layer; it is required when the config has a sliding window."""
+        stacked k, v [L, B, S, Hkv, hd] of every layer, or this layer's own k, v [B, Hkv, S, hd]: a per-layer
+        cache) row b's new keys are written at [layer, b, write_index[b]] (in place) and attention runs over the
+        layer's first S' cache positions, S' = key_valid's length ([B, S'] marks real tokens).
+        `layer` (the layer's index: traced under the decoder's scan, a Python int in its per-layer loop) selects
+        the sliding window and RoPE base of that layer; it is required when the config has a sliding window."""
         with jax.named_scope("attention"):  # names the buffers in compiled memory reports
             return self._attend(x, positions, q_slots, key_valid, cache, write_index, layer)
 
@@ -283,9 +289,13 @@ class Attention(nnx.Module):
                       ("batch", "length", "act_kv_heads", None))
         v = constrain(v, ("batch", "length", "act_kv_heads", None))
         key_positions = positions if window is not None else None
-        if cache is not None:  # the stacked cache of every layer: write this layer's rows in place, read its slice
-            cache = tuple(write_stacked_rows(stack, layer, new, write_index) for stack, new in zip(cache, (k, v)))
-            k, v = (jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False).astype(x.dtype)
+        if cache is not None:  # write this layer's rows in place, read its first S' positions
+            per_layer = cache[0].ndim == 4
+            at = None if per_layer else layer
+            cache = tuple(write_stacked_rows(stack, at, new, write_index) for stack, new in zip(cache, (k, v)))
+            read = key_valid.shape[1]
+            k, v = ((jnp.swapaxes(stack[:, :, :read], 1, 2) if per_layer else
+                     jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False)[:, :read]).astype(x.dtype)
                     for stack in cache)
             key_positions = cache_key_positions(key_valid) if window is not None else None
         qg = q.reshape(B, T, c.num_kv_heads, G, c.head_dim)

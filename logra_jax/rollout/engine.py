@@ -2,6 +2,8 @@
 
 Every engine answers the same calls, so the RL loop has one code path:
   publish(updates, params) -> SyncReport     bring the engine to the trainer's weights after an update
+  release()                                  before the train step: drop what the engine holds on the trainer's
+                                             devices (the colocated engine's copy; publish rebuilds it)
   generate(prompts, prompt_mask, key, config=None) -> Rollout     (logra_jax.rollout.slots; config: e.g. greedy)
   resyncs; close()
 
@@ -200,9 +202,21 @@ class ColocatedEngine:
         return SyncReport(self.version, self.copied_bytes, seconds, 0.0,
                           SyncReply("loaded", self.version, "", {"apply": seconds}), "")
 
+    def release(self) -> None:
+        """Drop the engine's weights until the next `publish` (the job calls it before the train step, which then
+        holds no engine copy beside the trainer's state; `publish` rebuilds the copy from the new weights)."""
+        self.state = None
+
     def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
                  config: SamplingConfig | None = None) -> Rollout:
-        """Sample with the engine's weights (config: another SamplingConfig, e.g. greedy for evaluation)."""
+        """Sample with the engine's weights (config: another SamplingConfig, e.g. greedy for evaluation).
+
+        Raises:
+          RuntimeError: the weights were released and not published since.
+        """
+        if self.state is None:
+            raise RuntimeError("ColocatedEngine.generate: the engine's weights were released (release()) and not "
+                               "published since; call publish(updates, params) first")
         return generate(self.graphdef, self.state, jnp.asarray(prompts), jnp.asarray(prompt_mask), key,
                         config or self.sampling, mesh=self.mesh)
 
@@ -231,6 +245,9 @@ class WorkerEngine:
 
     def publish(self, updates: Any, params: Any) -> SyncReport:
         return self.sync.push(updates, params)
+
+    def release(self) -> None:
+        """Nothing to drop: the worker's weights live in its own process."""
 
     def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
                  config: SamplingConfig | None = None) -> Rollout:

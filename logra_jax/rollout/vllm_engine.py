@@ -234,6 +234,9 @@ class VLLMEngine:
         _, theirs = self._request("probe", pack({}, {p: i.astype(np.int32) for p, i in self._probe_index.items()}))
         return {p: float(np.abs(theirs[p].astype(np.float64) - ours[p].astype(np.float64)).max()) for p in ours}
 
+    def release(self) -> None:
+        """Nothing to drop: vLLM's weights live in its own process."""
+
     def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
         """(version, {path: float32 master}) of the engine's masters (for drift measurements)."""
         meta, arrays = self._request("fetch")

@@ -99,6 +99,14 @@ def test_float32_job_on_one_device_shares_the_trainers_arrays():
     updated = jax.tree.map(lambda x: x + 1, params)
     assert engine.publish(optax.EmptyState(), updated).nbytes == 0
     assert flat_params(engine.state)["final_norm.scale"] is flat_params(updated)["final_norm.scale"]
+    # Released before a train step: nothing held, no rollout until the next publish.
+    engine.release()
+    assert engine.state is None
+    prompts = (jnp.array([[5, 6, 7]]), jnp.array([[1, 1, 1]]), jax.random.key(0))
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(*prompts)
+    engine.publish(optax.EmptyState(), params)
+    assert engine.generate(*prompts).tokens.shape == (SAMPLING.num_samples, 3 + SAMPLING.max_new_tokens)
 
 
 def test_decode_layout_choice_and_errors():

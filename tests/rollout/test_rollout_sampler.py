@@ -251,3 +251,27 @@ def test_greedy_equals_the_batched_greedy_decoder_token_for_token(model):
     got = [np.asarray(out.tokens[r, P:P + int(out.lengths[r])]).tolist() for r in range(3)]
     assert got == reference
     assert len({len(r) for r in reference}) > 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gemma3"])
+def test_a_per_layer_cache_decodes_as_the_stacked_one(name):
+    """`ModelConfig.decode_unroll` (the GPU engine's per-layer KV cache, its layers unrolled, each attending in
+    place over its buffer up to the length bucket) samples what the stacked cache under the layer scan samples:
+    the same tokens, lengths and finished flags, log-probs up to float rounding, through refills and length
+    buckets (and past Gemma 3's sliding window of 8, whose per-layer pattern and RoPE bases follow the layer's
+    index)."""
+    graphdef, state = nnx.split(init_model(preset(name, tie_embeddings=False), seed=1))
+    state = jax.tree.map(lambda x: 4.0 * x if x.ndim >= 2 else x, state)
+    unrolled = nnx.split(init_model(preset(name, tie_embeddings=False, decode_unroll=True), seed=1))[0]
+    cache = nnx.merge(unrolled, state).init_cache(2, 4)
+    assert isinstance(cache.k, tuple) and len(cache.k) == preset(name).num_layers and cache.k[0].ndim == 4
+    base = SamplingConfig(max_new_tokens=9, eos_id=1, pad_id=0, num_samples=4, temperature=1.0)
+    for slots, steps, buckets in [(0, 9, 1), (5, 2, 4)]:
+        config = dataclasses.replace(base, slots=slots, decode_steps=steps, length_buckets=buckets)
+        ref, got = (generate(g, state, jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(3), config)
+                    for g in (graphdef, unrolled))
+        for field in ref._fields:
+            compare = np.testing.assert_array_equal if field != "logprobs" else functools.partial(
+                np.testing.assert_allclose, rtol=0, atol=1e-5)
+            compare(np.asarray(getattr(got, field)), np.asarray(getattr(ref, field)), err_msg=f"{slots=} {field}")
+    assert P + base.max_new_tokens > preset("tiny-gemma3").sliding_window
