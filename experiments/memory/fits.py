@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shlex
 from pathlib import Path
 
@@ -38,12 +39,6 @@ GIB = 2**30
 LABELS = {"logra_kl": "LoGRA + KL", "adamw": "AdamW", "adamw_targets": "AdamW-targets"}
 
 
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "–"
-    return f"{value:.0f} s" if value < 600 else f"{value / 60:.1f} min"
-
-
 def row(cell: dict) -> dict:
     """One plan's line of the table: peak phase and bytes, what is left of the HBM, the RL step's time on paper."""
     peak = max(cell["phases"], key=lambda p: p["total"])
@@ -56,16 +51,29 @@ def row(cell: dict) -> dict:
             "rl_step_seconds": None if step is None else step["seconds"], "fits": cell["status"] == 0}
 
 
+def row_template(r: dict) -> tuple[str, tuple[float, ...]]:
+    """One table line with its measured figures (peak and HBM left in GiB, the RL step's time) as format fields,
+    and their values: the line is `template.format(*values)` with a leading minus written "−" (how
+    experiments/figures.py registers it for tests/docs/test_quoted_figures.py)."""
+    refused = " (refused by the compiler)" if r["refused"] else ""
+    seconds = r["rl_step_seconds"]
+    time, values = ("–", ()) if seconds is None else ("{:.0f} s", (seconds,)) if seconds < 600 else (
+        "{:.1f} min", (seconds / 60,))
+    template = (f"| {r['model']} (`:{r['variant']}`) | {r['target']}: {r['devices']} × {r['hbm_gib']:.0f} GiB | "
+                f"{LABELS[r['optimizer']]} | {{:.2f}}{refused} | {r['peak_phase']} | {{:.2f}} | {time} | "
+                f"{'yes' if r['fits'] else '**no**'} |")
+    return template, (r["peak_gib"], r["left_gib"], *values)
+
+
+def _render(template: str, values: tuple[float, ...]) -> str:
+    fields = iter(values)
+    return re.sub(r"\{:([^}]*)\}", lambda m: format(next(fields), m.group(1)).replace("-", "−", 1), template)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | placement | optimizer | peak GiB per device | peak phase | HBM left GiB | RL step on paper | "
              "fits |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        refused = " (refused by the compiler)" if r["refused"] else ""
-        lines.append(f"| {r['model']} (`:{r['variant']}`) | {r['target']}: {r['devices']} × {r['hbm_gib']:.0f} GiB | "
-                     f"{LABELS[r['optimizer']]} | {r['peak_gib']:.2f}{refused} | {r['peak_phase']} | "
-                     f"{r['left_gib']:.2f} | {_seconds(r['rl_step_seconds'])} | "
-                     f"{'yes' if r['fits'] else '**no**'} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [_render(*row_template(r)) for r in rows])
 
 
 def ordered(rows: list[dict]) -> list[dict]:
