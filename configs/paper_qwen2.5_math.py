@@ -18,7 +18,7 @@ loaded); `:qwen3-8b` the same recipe on Qwen3-8B(-Base). `:dense-27b` keeps the 
 (e.g. `:1.5b,runlocal`) shrinks batch and lengths for a quick smoke run of the same recipe.
 Placements (experiments/memory/fits.py plans each; the settings they change are commented in `place`):
   `:72b`         Qwen2.5-72B on one node of 8 × 80 GB GPUs      (--target=h100:8)
-  `:72b,4chip`   Qwen2.5-72B on 4 TPU v5p chips (95 GiB each)   (--target=v5p:2x2x1)
+  `:72b,4chip`   Qwen2.5-72B on 4 TPU v5p chips (95 GiB each), tensor-parallel   (--target=v5p:2x2x1)
   `:qwen3-32b`   Qwen3-32B on 8 × 80 GB GPUs                    (--target=h100:8)
   `:7b,1gpu`     Qwen2.5-Math-7B on one 80 GB GPU               (--target=h100:1)
   `:1.5b,1chip`  Qwen2.5-Math-1.5B on one TPU v5e chip (16 GiB, a Colab TPU)   (--target=v5e:1x1)
@@ -58,6 +58,13 @@ def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
     c.rollout.slots = 32
     if arg in PLACEMENTS:
         place(c, PLACEMENTS[arg])
+    if arg == "72b,4chip":
+        # The trainer in the engine's decode layout (tensor parallelism over the 4 chips, no FSDP), so that the
+        # colocated engine holds the trainer's bfloat16 matrices as they are: with FSDP the engine's own tensor-4
+        # copy (34 GiB per chip) sits beside the trainer's and the rollout needs 98.35 GiB of the 95
+        # (experiments/memory/plan/72b_v5p_2x2x1_fsdp4.json). Tensor parallelism does not split rows: one
+        # response per microbatch.
+        c.train.update(mesh_fsdp=1, mesh_tensor=4, microbatches=c.rollout.prompts_per_step * c.rollout.num_samples)
     if variant == "runlocal":
         c.rollout.update(prompts_per_step=8, max_new_tokens=64)
         c.task.eval_size = 16
