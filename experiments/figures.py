@@ -636,8 +636,36 @@ def _paper_claims() -> Iterator[Quote]:
     yield from q(REPORT, "27B ran > {:,.0f} steps stably", _paper("1,100"))
 
 
+def _vllm() -> Iterator[Quote]:
+    q = _quoter("experiments/vllm/{rl,throughput}.json")
+    runs = _json("experiments/vllm/rl.json")["runs"]
+    ours, theirs = runs["jax-seed0"], runs["vllm-seed0"]
+    deltas = [x for x in theirs["syncs"] if x["kind"] == "publish"]
+    boot = next(x for x in theirs["syncs"] if x["kind"] == "bootstrap")
+    full = boot["full_weight_bytes"]["float32"]
+    delta_bytes = statistics.median(x["bytes"] for x in deltas)
+    mismatch = lambda r: statistics.median(x["rollout_mismatch"] for x in r["steps"])
+    yield from q(README, "low-rank sync of SmolLM2-135M (rank 64) ships {:.1f} MB, {:.1%} of its float32 weights "
+                         "({:.0f} MB), in {:.1f} s (median of {:.0f}; vLLM's reload {:.1f} s and the merge of U·A "
+                         "{:.1f} s of it), against {:.1f} s for the full float32 snapshot",
+                 delta_bytes / 1e6, delta_bytes / full, full / 1e6, statistics.median(x["seconds"] for x in deltas),
+                 len(deltas), statistics.median(x["engine_seconds"]["reload"] for x in deltas),
+                 statistics.median(x["engine_seconds"]["apply"] for x in deltas), boot["seconds"])
+    yield from q(README, "the largest |W_vllm − W_trainer| after any of the {:.0f} publications was {:g}, with "
+                         "{:.0f} resyncs", len(deltas), max(x["drift_max"] for x in deltas), deltas[-1]["resyncs"])
+    yield from q(README, "mismatch the TIS cap sees (`rollout_mismatch`, median over steps) was {:.1e} "
+                         "with vLLM and {:.1e} with ours", mismatch(theirs), mismatch(ours))
+    yield from q(README, "accuracy went {:.3f} → {:.3f} with vLLM rollouts and {:.3f} → {:.3f} with ours",
+                 theirs["summary"]["accuracy_before"], theirs["summary"]["accuracy_after"],
+                 ours["summary"]["accuracy_before"], ours["summary"]["accuracy_after"])
+    rates = {(r["case"], r["impl"]): r["tokens_per_s"] for r in _json("experiments/vllm/throughput.json")["results"]}
+    yield from q(README, "build decoded {:.1f} response tokens/s against our engine's {:.1f} on 32 prompts × 128 "
+                         "tokens, and {:.1f} against {:.1f} with RL-like lengths", rates[("smollm2-fixed", "vllm")],
+                 rates[("smollm2-fixed", "ours")], rates[("smollm2-spread", "vllm")], rates[("smollm2-spread", "ours")])
+
+
 def quotes() -> list[Quote]:
     """Every registered quote, with its figures computed from today's results files."""
     sources = (_memory, _memory_targets, _bf16_learning, _step_cost, _whole_job, _fits, _dropin, _rollout_plans,
-               _parity, _momentum, _smollm2, _ablations, _kl, _sync, _sketch_native, _multihost, _paper_claims)
+               _parity, _momentum, _smollm2, _ablations, _kl, _sync, _sketch_native, _multihost, _paper_claims, _vllm)
     return [quote for source in sources for quote in source()]

@@ -137,9 +137,9 @@ def _before_tree(tmp: Path) -> Path:
     return tmp / "before"
 
 
-def _run(impl: str, name: str, reps: int, before: Path) -> dict:
+def _run(impl: str, name: str, reps: int, before: Path, platform: str = "cpu") -> dict:
     path = str(before) if impl == "before" else str(REPO)
-    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=platform)
     code = (f"import json, sys; sys.path.insert(0, {path!r}); sys.path.insert(1, {str(HERE)!r}); import bench; "
             f"print('RESULT', json.dumps(bench._worker({impl!r}, {name!r}, {reps})))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -24,14 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import subprocess
-import tempfile
 import time
-import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +37,8 @@ from logra_jax.models.config import ModelConfig
 from logra_jax.models.hf import hf_tensor_names, rope_heads
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params, snapshot_payload
-from logra_jax.rollout.wire import Channel, accept_engine, new_secret, pack, unpack
-from logra_jax.rollout.worker import WorkerError, _stop
+from logra_jax.rollout.wire import new_secret, pack
+from logra_jax.rollout.worker import EngineProcess, WorkerError
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -92,7 +88,7 @@ def hf_table(config: ModelConfig) -> dict[str, list[Any]]:
             for path, name, transpose in hf_tensor_names(config)}
 
 
-class VLLMEngine:
+class VLLMEngine(EngineProcess):
     """vLLM in its own process, fed by low-rank sync (see the module docstring).
 
     Args:
@@ -111,6 +107,9 @@ class VLLMEngine:
     """
 
     on_device = False
+    label = "vLLM engine"
+    OPS: ClassVar[Mapping[str, bytes]] = {"hello": b"H", "sync": b"S", "generate": b"G", "probe": b"P",
+                                          "fetch": b"F"}
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, params: Any, *, model_dir: str | Path,
                  settings: VLLMSettings = VLLMSettings(), version: int = 0, trained: Collection[str] = (),
@@ -125,35 +124,14 @@ class VLLMEngine:
         self.sampling, self.settings = sampling, settings
         self.request_timeout_s = request_timeout_s
         self.probe_every, self.probe_tolerance = probe_every, probe_tolerance
-        secret = new_secret() if secret is None else secret
-        self._log = Path(tempfile.mkstemp(prefix="vllm_engine_", suffix=".log")[1])
-        listener = socket.create_server(("127.0.0.1", 0))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
         env.pop("XLA_FLAGS", None)
         if settings.devices:
             env["CUDA_VISIBLE_DEVICES"] = settings.devices
-        with self._log.open("wb") as log:
-            self._proc = subprocess.Popen(
-                [str(python), "-m", "logra_jax.rollout.vllm_server", "--connect",
-                 f"127.0.0.1:{listener.getsockname()[1]}", "--secret-stdin"],
-                env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                cwd=Path(__file__).resolve().parents[2])
-        self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
-        try:
-            self._proc.stdin.write(secret.hex().encode() + b"\n")
-            self._proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self._chan: Channel | None = accept_engine(listener, secret, start_timeout_s, alive=self._alive)
-        except TimeoutError:
-            _stop(self._proc, None, None, grace_s=0.0)
-            raise WorkerError(f"vLLM engine did not connect within {start_timeout_s} s:\n{self.log_tail()}") from None
-        finally:
-            listener.close()
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._chan.sock, self._log)
+        self._launch([str(python), "-m", "logra_jax.rollout.vllm_server"], env,
+                     new_secret() if secret is None else secret, start_timeout_s,
+                     cwd=Path(__file__).resolve().parents[2])
         flat = flat_params(params)
         hello = {"model_dir": str(Path(model_dir).resolve()), "vllm": dataclasses.asdict(settings),
                  "table": hf_table(model_config), "shapes": {p: list(a.shape) for p, a in flat.items()},
@@ -166,43 +144,9 @@ class VLLMEngine:
         self.probe_resyncs = 0
         self.last_drift: dict[str, float] = {}
 
-    def _alive(self) -> None:
-        if self._proc.poll() is not None:
-            raise WorkerError(f"vLLM engine exited with code {self._proc.returncode} before connecting:\n"
-                              f"{self.log_tail()}")
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
     @property
     def resyncs(self) -> int:
         return self.sync.resyncs + self.probe_resyncs
-
-    def log_tail(self, chars: int = 6000) -> str:
-        """The end of the vLLM process's log."""
-        try:
-            return self._log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def _request(self, op: str, body: bytes | memoryview = b"", timeout_s: float | None = None
-                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        if self._chan is None:
-            raise WorkerError("vLLM engine is closed")
-        self._chan.sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
-        try:
-            self._chan.send(op[:1].upper().encode(), body)
-            _, reply = self._chan.recv()
-        except (OSError, ConnectionError) as err:
-            self._proc.kill()
-            self._finalizer()
-            self._chan = None
-            raise WorkerError(f"vLLM engine {op!r} request failed ({err!r}):\n{self.log_tail()}") from err
-        meta, arrays = unpack(reply)
-        if not meta.get("ok"):
-            raise WorkerError(f"vLLM engine {op!r} request failed: {meta.get('error')}\n{meta.get('traceback')}")
-        return meta, arrays
 
     def _sync(self, payload: Any) -> SyncReply:
         data = payload.to_bytes() if not isinstance(payload, (bytes, bytearray, memoryview)) else payload
@@ -252,22 +196,3 @@ class VLLMEngine:
                     {"prompts": np.asarray(prompts, np.int32), "prompt_mask": np.asarray(prompt_mask, bool)})
         _, arrays = self._request("generate", body)
         return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask vLLM to exit; kill it if it has not within `timeout_s`. Idempotent."""
-        if self._chan is not None:
-            try:
-                self._chan.sock.settimeout(timeout_s)
-                self._chan.send(b"Q")
-                self._chan.recv()
-            except (OSError, ConnectionError):
-                pass
-        self._finalizer()
-        self._chan = None
-
-    def __enter__(self) -> VLLMEngine:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-

@@ -20,6 +20,7 @@ load time, so writing into its parameters in place is not possible there.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,6 +33,21 @@ from logra_jax.rollout.torch_projection import slice_projections
 from logra_jax.rollout.wire import PayloadError, payload_checksum, unpack
 
 FORMAT = "logra-sync/2"
+# torch's own: vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound its OpenMP threads.
+_set_num_threads = torch.set_num_threads
+
+
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """torch's CPU ops on one thread inside the block. The merge is some hundred elementwise integer ops per
+    projection (threefry) and small products: on a machine whose cores are also busy with other work, OpenMP teams
+    wait for each other at every op and lose far more than a second thread gains (experiments/vllm/README.md)."""
+    threads = torch.get_num_threads()
+    _set_num_threads(1)
+    try:
+        yield
+    finally:
+        _set_num_threads(threads)
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -111,7 +127,8 @@ class TorchMasters:
         if meta["parent"] != self.version:
             return self._reply("resync", f"version gap: holding {self.version}, delta {version} applies to "
                                          f"{meta['parent']}", start), []
-        changed = self._apply(meta, arrays)
+        with one_cpu_thread():
+            changed = self._apply(meta, arrays)
         self.version = version
         return self._reply("applied", "", start, checked), changed
 

@@ -10,6 +10,7 @@ Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (tensors are handed to the worker extensi
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -40,11 +41,15 @@ class Server:
         self.masters = TorchMasters(hello["shapes"])
 
     def sync(self, body: memoryview) -> dict[str, Any]:
+        """Apply a payload to the masters, then reload the changed tensors into vLLM; the reply's seconds hold
+        the masters' phases (check, apply) and "reload" (checkpoint tensors built and loaded by vLLM)."""
         reply, changed = self.masters.receive(body)
         if changed:
+            start = time.perf_counter()
             tensors = [(name, t.to(self.dtype)) for p in changed if p in self.table
                        for name, t in hf_tensors(self.table, p, self.masters.params[p])]
             self.llm.collective_rpc("logra_reload", args=(tensors,))
+            reply["seconds"]["reload"] = time.perf_counter() - start
         return reply
 
     def generate(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -54,10 +59,12 @@ class Server:
         prompts, mask = arrays["prompts"], arrays["prompt_mask"]
         n, new = int(s["num_samples"]), int(s["max_new_tokens"])
         greedy = s["temperature"] == 0
-        # vLLM seeds sample j of a request with seed + j: requests b·n apart never share a stream
+        # vLLM seeds sample j of a request with seed + j: requests b·n apart never share a stream. Rows end at the
+        # job's eos only (stop_token_ids): ignore_eos keeps vLLM's own, from the model folder's config or
+        # transformers' default for it (2 for a Llama config that names none), from ending them.
         params = [SamplingParams(n=n, temperature=float(s["temperature"]), top_k=int(s["top_k"]) or 0,
                                  top_p=1.0 if greedy else float(s["top_p"]), max_tokens=new, logprobs=0,
-                                 stop_token_ids=[int(s["eos_id"])], ignore_eos=False, detokenize=False,
+                                 stop_token_ids=[int(s["eos_id"])], ignore_eos=True, detokenize=False,
                                  seed=(int(meta["seed"]) * 1_000_003 + b * n) % (1 << 31))
                   for b in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in row[m]]) for row, m in zip(prompts, mask)]

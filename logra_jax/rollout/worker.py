@@ -31,7 +31,7 @@ import traceback
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import jax
 import jax.numpy as jnp
@@ -244,7 +244,103 @@ def _worker_env(platform: str) -> dict[str, str]:
     return env
 
 
-class WorkerProcessTransport:
+class EngineProcess:
+    """An engine process on this host (our rollout worker, the vLLM server), driven over the keyed channel of
+    logra_jax.rollout.wire: started with the run secret on its stdin and its output in a log file, connected back
+    to a loopback listener, one request at a time, and stopped with its owner (`close`, or when it is dropped).
+    Subclasses start it with `_launch` and name their ops in `OPS` (shutdown is b"Q")."""
+
+    label = "engine process"
+    OPS: ClassVar[Mapping[str, bytes]] = {}
+    request_timeout_s: float
+
+    def _launch(self, argv: list[str], env: Mapping[str, str], secret: bytes, start_timeout_s: float,
+                cwd: str | Path | None = None) -> None:
+        """Start `argv` + --connect HOST:PORT --secret-stdin and wait for it to connect (WorkerError if it exits or
+        does not within `start_timeout_s`, with its log)."""
+        self._log = Path(tempfile.mkstemp(prefix=self.label.replace(" ", "_") + "_", suffix=".log")[1])
+        listener = socket.create_server(("127.0.0.1", 0))
+        with self._log.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [*argv, "--connect", f"127.0.0.1:{listener.getsockname()[1]}", "--secret-stdin"], env=dict(env),
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
+        try:
+            self._proc.stdin.write(secret.hex().encode() + b"\n")
+            self._proc.stdin.close()
+        except OSError:  # it died at once: accept_engine reports its log
+            pass
+        try:
+            self._chan: Channel | None = accept_engine(listener, secret, start_timeout_s, alive=self._alive)
+        except TimeoutError:
+            _stop(self._proc, None, None, grace_s=0.0)
+            raise WorkerError(f"{self.label} did not connect within {start_timeout_s} s:\n{self.log_tail()}") from None
+        finally:
+            listener.close()
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._chan.sock, self._log)
+
+    def _alive(self) -> None:
+        if self._proc.poll() is not None:
+            raise WorkerError(f"{self.label} exited with code {self._proc.returncode} before connecting:\n"
+                              f"{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        """The engine's process id."""
+        return self._proc.pid
+
+    def log_tail(self, chars: int = 6000) -> str:
+        """The end of the engine's stdout/stderr log."""
+        try:
+            return self._log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def _request(self, op: str, body: bytes | memoryview = b"", timeout_s: float | None = None
+                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        if self._chan is None:
+            raise WorkerError(f"{self.label} is closed")
+        self._chan.sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
+        try:
+            self._chan.send(self.OPS[op], body)
+            _, reply = self._chan.recv()
+        except (OSError, ConnectionError) as err:  # FrameError included: the stream cannot be trusted any more
+            try:  # an engine that dropped the connection is usually on its way out: let it finish
+                code = self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                code = None
+            state = "was still running (killed)" if code is None else f"exited with code {code}"
+            message = f"{self.label} {op!r} request failed ({err!r}); it {state}:\n{self.log_tail()}"
+            self._proc.kill()  # the stream is out of step now: this engine is done
+            self._finalizer()
+            self._chan = None
+            raise WorkerError(message) from err
+        meta, arrays = unpack(reply)
+        if not meta.get("ok"):
+            raise WorkerError(f"{self.label} {op!r} request failed: {meta.get('error')}\n{meta.get('traceback')}")
+        return meta, arrays
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the engine to exit; kill it if it has not within `timeout_s`. Idempotent."""
+        if self._chan is not None:
+            try:
+                self._chan.sock.settimeout(timeout_s)
+                self._chan.send(b"Q")
+                self._chan.recv()
+            except (OSError, ConnectionError):
+                pass
+        self._finalizer()
+        self._chan = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class WorkerProcessTransport(EngineProcess):
     """A rollout worker process on this host, driven over a loopback TCP socket.
 
     Args:
@@ -268,83 +364,20 @@ class WorkerProcessTransport:
     """
 
     on_device = False  # payloads travel as bytes
+    label = "rollout worker"
+    OPS = _OPS
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, *, platform: str | None = None,
                  env: Mapping[str, str] | None = None, start_timeout_s: float = 120.0,
                  request_timeout_s: float = 600.0, secret: bytes | None = None):
         self.request_timeout_s = request_timeout_s
         secret = new_secret() if secret is None else check_secret(secret, "WorkerProcessTransport")
-        self._log = Path(tempfile.mkstemp(prefix="rollout_worker_", suffix=".log")[1])
-        listener = socket.create_server(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
-        with self._log.open("wb") as log:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "logra_jax.rollout.worker", "--connect", f"127.0.0.1:{port}",
-                 "--secret-stdin"], env={**_worker_env(platform or jax.default_backend()), **(env or {})},
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
-        self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
-        try:
-            self._proc.stdin.write(secret.hex().encode() + b"\n")
-            self._proc.stdin.close()
-        except OSError:  # the worker died at once: _accept reports its log
-            pass
-        try:
-            self._chan: Channel | None = self._accept(listener, secret, start_timeout_s)
-        finally:
-            listener.close()
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._chan.sock, self._log)
+        self._launch([sys.executable, "-m", "logra_jax.rollout.worker"],
+                     {**_worker_env(platform or jax.default_backend()), **(env or {})}, secret, start_timeout_s)
         flags = {name: getattr(jax.config, name) for name in _JAX_FLAGS}
         self._request("hello", pack({"model": dataclasses.asdict(model_config),
                                      "sampling": dataclasses.asdict(sampling), "jax_config": flags}, {}),
                       timeout_s=start_timeout_s)
-
-    def _accept(self, listener: socket.socket, secret: bytes, timeout_s: float) -> Channel:
-        def alive() -> None:
-            if self._proc.poll() is not None:
-                raise WorkerError(f"rollout worker exited with code {self._proc.returncode} before connecting:\n"
-                                  f"{self.log_tail()}")
-        try:
-            return accept_engine(listener, secret, timeout_s, alive=alive)
-        except TimeoutError:
-            _stop(self._proc, None, None, grace_s=0.0)
-            raise WorkerError(f"rollout worker did not connect within {timeout_s} s:\n{self.log_tail()}") from None
-
-    @property
-    def pid(self) -> int:
-        """The worker's process id."""
-        return self._proc.pid
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The end of the worker's stdout/stderr log."""
-        try:
-            return self._log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def _request(self, op: str, body: bytes | memoryview = b"", timeout_s: float | None = None
-                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        if self._chan is None:
-            raise WorkerError("rollout worker transport is closed")
-        self._chan.sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
-        try:
-            self._chan.send(_OPS[op], body)
-            _, reply = self._chan.recv()
-        except (OSError, ConnectionError) as err:  # FrameError included: the stream cannot be trusted any more
-            try:  # a worker that dropped the connection is usually on its way out: let it finish
-                code = self._proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                code = None
-            state = "was still running (killed)" if code is None else f"exited with code {code}"
-            message = f"rollout worker {op!r} request failed ({err!r}); the worker {state}:\n{self.log_tail()}"
-            self._proc.kill()  # the stream is out of step now: this transport is done
-            self._finalizer()
-            self._chan = None
-            raise WorkerError(message) from err
-        meta, arrays = unpack(reply)
-        if not meta.get("ok"):
-            raise WorkerError(f"rollout worker {op!r} request failed: {meta.get('error')}\n{meta.get('traceback')}")
-        return meta, arrays
 
     def sync(self, payload: SyncPayload | bytes) -> SyncReply:
         data = payload.to_bytes() if isinstance(payload, SyncPayload) else payload
@@ -367,24 +400,6 @@ class WorkerProcessTransport:
     def counts(self) -> dict[str, int]:
         """Receiver outcomes so far: applied, loaded, stale, resync."""
         return self._request("counts")[0]["counts"]
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the worker to exit; kill it if it has not within `timeout_s`. Idempotent."""
-        if self._chan is not None:
-            try:
-                self._chan.sock.settimeout(timeout_s)
-                self._chan.send(_OPS["shutdown"])
-                self._chan.recv()
-            except (OSError, ConnectionError):
-                pass
-        self._finalizer()
-        self._chan = None
-
-    def __enter__(self) -> WorkerProcessTransport:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _stop(proc: subprocess.Popen, sock: socket.socket | None, log: Path | None, grace_s: float = 10.0) -> None:

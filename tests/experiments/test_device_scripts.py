@@ -95,3 +95,16 @@ def test_bitwise_compare_reports_count_and_largest_difference():
     got = sync_check.bitwise_compare(a, other)
     assert got["n_differing"] == 2 and set(got["differing"]) == {"w", "b"}
     assert got["max_abs_diff"] == 0.5 and got["missing"] == ["c", "d"]
+
+
+def test_vllm_script_without_vllm_records_why_it_skipped(tmp_path):
+    """experiments/device/vllm.sh on a machine whose Python holds no vLLM (the lent image): a record saying so,
+    exit 0; an unknown argument is refused before anything runs."""
+    env = {**_env(), "PYTHON": sys.executable, "VLLM_PYTHON": "false"}
+    proc = subprocess.run(["bash", "experiments/device/vllm.sh", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "vllm.json").read_text())["skipped"].startswith("missing vLLM")
+    proc = subprocess.run(["bash", "experiments/device/vllm.sh", "--stpes", "3"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown argument --stpes" in proc.stderr

@@ -65,6 +65,10 @@ def test_two_rl_steps_with_vllm_rollouts_and_low_rank_sync(engine):
         rollout = engine.generate(PROMPTS, MASK, jax.random.key(step))
         assert rollout.tokens.shape == (4, P + SAMPLING.max_new_tokens)
         np.testing.assert_array_equal(rollout.tokens[:, :P], np.repeat(PROMPTS, 2, axis=0))
+        # rows end at the job's eos (1) or the budget, never at vLLM's own default eos (2, a Llama config's)
+        short = np.asarray(rollout.lengths) < SAMPLING.max_new_tokens
+        last = np.asarray(rollout.tokens)[np.arange(4), P + np.asarray(rollout.lengths) - 1]
+        assert np.all(last[short] == SAMPLING.eos_id), (rollout.lengths, last)
         # vLLM's log-probs are the sampling policy's: the trainer's teacher-forced ones at the same weights
         want = _logprobs(params, rollout.tokens, rollout.attention_mask())[:, P - 1:]
         np.testing.assert_allclose(np.where(rollout.response_mask, rollout.logprobs, 0),
