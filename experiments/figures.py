@@ -61,6 +61,7 @@ SETTINGS: tuple[str, ...] = (
     r"\d+ (?:H100s|TPU v5e|processes|process|CPU devices|fake devices|devices|prompts at a time)(?: × \d+)?",
     r"\d+-(?:device|token|step|core|wide)\b",
     r"\((?:16|32) GiB\)|(?:fit|of) (?:16|80) GiB",  # a chip's memory
+    r"\b(?:v4|v5e|v5p|v6e|h100|h200|a100):\d+(?:x\d+)*: \d+ × \d+ GiB",  # a target: its chips and their memory
     # counts a run was given
     r"\d+(?:–\d+)? (?:seeds?|RL steps|GRPO steps|steps|updates|sequences per device|values|tokens)\b",
     r"seed \d+",
@@ -285,6 +286,17 @@ def _whole_job() -> Iterator[Quote]:
                  peak(logra7), phase(logra7, "rollout"), phase(adamw7, "train step"), phase(adamw7, "rollout"))
     yield from q(REPORT, "LoGRA+KL fits, peak {:.2f} of 80 GiB (the rollout); AdamW-targets does not ({:.2f})",
                  peak(logra27), peak(adamw27))
+
+
+def _fits() -> Iterator[Quote]:
+    """The generated what-fits-where table (experiments/memory/fits.py), line by line, in every document it is in."""
+    from experiments.memory import fits
+
+    q = _quoter("experiments/memory/fits.json")
+    docs = tuple(str(path.relative_to(ROOT)) for path in fits.BLOCK_FILES)
+    for r in fits.load_rows():
+        template, values = fits.row_template(r)
+        yield from q(docs, template, *values)
 
 
 def _dropin() -> Iterator[Quote]:
@@ -657,6 +669,6 @@ def _vllm() -> Iterator[Quote]:
 
 def quotes() -> list[Quote]:
     """Every registered quote, with its figures computed from today's results files."""
-    sources = (_memory, _memory_targets, _bf16_learning, _step_cost, _whole_job, _dropin, _rollout_plans, _parity,
-               _momentum, _smollm2, _ablations, _kl, _sync, _sketch_native, _multihost, _paper_claims, _vllm)
+    sources = (_memory, _memory_targets, _bf16_learning, _step_cost, _whole_job, _fits, _dropin, _rollout_plans,
+               _parity, _momentum, _smollm2, _ablations, _kl, _sync, _sketch_native, _multihost, _paper_claims, _vllm)
     return [quote for source in sources for quote in source()]

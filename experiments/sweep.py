@@ -159,9 +159,12 @@ def accuracy_after(out_dir: Path, name: str, overrides: Overrides, seed: int,
 
 def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds: Sequence[int], out_dir: Path, *,
               jobs: int = 2, title: str = "", log: Callable[[str], None] = print, step_memory: bool = True,
-              name: str = "results", reuse: Sequence[Path] = ()) -> dict[str, Any]:
+              name: str = "results", reuse: Sequence[Path] = (),
+              worker: Callable[[dict[str, Any], str, bool], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run every (variant, seed) and write out_dir/{<name>.json, <name>_curves.png} (results.json and curves.png
-    by default); returns the results. step_memory=False skips each run's compile-only step bytes. reuse: results
+    by default); returns the results. step_memory=False skips each run's compile-only step bytes. worker: a
+    module-level function run in the worker process in place of the plain run (same arguments and summary: an
+    experiment that measures inside the run). reuse: results
     files of earlier sweeps from the same base config (see recorded_points); a (variant, seed) whose overrides
     and seed one of them holds is taken from there, not run again, and its point says which file it came from.
     Reuse only what the same code computed on the same kind of machine: the warm start and the runs are bitwise
@@ -192,7 +195,7 @@ def run_sweep(base: Mapping[str, Any], variants: Mapping[str, Overrides], seeds:
             config = merged(base, variants[variant])
             config["train"] = {**config["train"], "seed": seed}
             workdir = run_dir(out_dir, variant, seed)
-            futures[pool.submit(_run_one, config, str(workdir), step_memory)] = (variant, seed)
+            futures[pool.submit(worker or _run_one, config, str(workdir), step_memory)] = (variant, seed)
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             variant, seed = futures[future]
             summaries[(variant, seed)] = s = future.result()

@@ -148,9 +148,9 @@ class TargetInfo:
     sources: tuple[str, ...]
 
 
-# TPU topologies of 4 and 8 devices (v4: 2 devices per chip); GPUs and CPUs are simply "<chip>:<count>".
-_TPU_TOPOLOGIES = {("v4", 8): "2x2x1", ("v5e", 4): "2x2", ("v5e", 8): "2x4", ("v5p", 4): "2x2x1",
-                   ("v5p", 8): "2x2x2", ("v6e", 4): "2x2", ("v6e", 8): "2x4"}
+# TPU topologies of 1, 4 and 8 devices (v4: 2 devices per chip); GPUs and CPUs are simply "<chip>:<count>".
+_TPU_TOPOLOGIES = {("v5e", 1): "1x1", ("v6e", 1): "1x1", ("v4", 8): "2x2x1", ("v5e", 4): "2x2", ("v5e", 8): "2x4",
+                   ("v5p", 4): "2x2x1", ("v5p", 8): "2x2x2", ("v6e", 4): "2x2", ("v6e", 8): "2x4"}
 
 
 def target_for(chip: str, num_devices: int) -> str:
@@ -332,6 +332,21 @@ def accelerator_type(target: str) -> str:
                                                chips=info.num_devices // _CHIPS[info.chip].devices_per_chip)
 
 
+# libtpu lays a topology out on hosts of 2x2x1 chips unless told otherwise, and refuses a smaller one ("v5e:1x1 is
+# not divisible by the given (or default) chips_per_host_bounds 2x2x1").
+_DEFAULT_CHIPS_PER_HOST = (2, 2, 1)
+
+
+def _chips_per_host(topology: str) -> dict[str, tuple[int, ...]]:
+    """libtpu's `chips_per_host_bounds` for a TPU topology that the default host (2x2x1) does not divide: per axis
+    the largest divisor of both (a single chip, "1x1", is one host of 1x1x1); no argument for the others, which
+    keep libtpu's default."""
+    dims = [int(n) for n in topology.split("x")]
+    dims += [1] * (len(_DEFAULT_CHIPS_PER_HOST) - len(dims))
+    bounds = tuple(math.gcd(d, b) for d, b in zip(dims, _DEFAULT_CHIPS_PER_HOST, strict=True))
+    return {} if bounds == _DEFAULT_CHIPS_PER_HOST else {"chips_per_host_bounds": bounds}
+
+
 @functools.cache
 def _compile_only_devices(target: str) -> tuple[jax.Device, ...]:
     """One set of device objects per target: traces cached for a mesh of them stay valid for the next mesh."""
@@ -349,7 +364,8 @@ def _compile_only_devices(target: str) -> tuple[jax.Device, ...]:
         os.environ["TPU_ACCELERATOR_TYPE"] = accelerator_type(target)
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only processes share no chip
-        found = topologies.get_topology_desc(topology_name=target, platform="tpu").devices
+        found = topologies.get_topology_desc(topology_name=target, platform="tpu",
+                                             **_chips_per_host(info.topology)).devices
     else:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver or GPU to check here
         found = topologies.get_topology_desc(info.chip, platform="cuda", target_config=gpu_target_config(info.chip),

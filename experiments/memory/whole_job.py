@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# AdamW keeps float32 weights (bfloat16 storage needs LoGRA's stochastic merges; a placement variant sets it).
 OPTIMIZERS = {
     "adamw": ["optimizer.name='adamw'", "optimizer.sketch_native=False", "optimizer.kl_control=False",
-              "optimizer.learning_rate=1e-6"],
+              "optimizer.learning_rate=1e-6", "optimizer.weight_dtype='float32'"],
     "adamw_targets": ["optimizer.name='adamw'", "optimizer.targets_only=True", "optimizer.sketch_native=False",
-                      "optimizer.kl_control=False", "optimizer.learning_rate=1e-6"],
+                      "optimizer.kl_control=False", "optimizer.learning_rate=1e-6", "optimizer.weight_dtype='float32'"],
     "logra_kl": [],  # the paper's config as it is: LoGRA sketch-native + predicted-KL control
 }
 # (size, target, HBM GiB for cpu targets): the table

@@ -253,6 +253,11 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10_000.0, rms_norm_eps=1e-6,
         qkv_bias=True, tie_embeddings=False, max_seq_len=4096),
+    # Qwen/Qwen2.5-72B(-Instruct): its config.json (RMS-norm epsilon 1e-5, RoPE base 1e6, 128K context).
+    "qwen2.5-72b": ModelConfig(
+        architecture="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+        qkv_bias=True, tie_embeddings=False, max_seq_len=131072),
     # Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B} (dense; the same names with -Base).
     **{f"qwen3-{name}": _qwen3(*shape) for name, shape in {
         "0.6b": (1024, 3072, 28, 16, True), "1.7b": (2048, 6144, 28, 16, True),

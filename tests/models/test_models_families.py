@@ -131,14 +131,15 @@ def test_export_round_trip_is_bit_exact_and_transformers_reads_it(case, checkpoi
     assert max_rel_err(forward(model, tokens, mask), hf_logits(peer, tokens, mask), where=mask) <= 1e-4
 
 
-@pytest.mark.parametrize("name", [n for n in models.PRESETS if n.startswith(("qwen3-", "gemma3-"))])
+@pytest.mark.parametrize("name", [n for n in models.PRESETS if n.startswith(("qwen2.5-", "qwen3-", "gemma3-"))])
 def test_presets_map_to_transformers_with_the_same_parameter_count(name):
     """Each preset's config.json builds the transformers class (on the meta device: no memory) with exactly the
     parameters our decoder has, and reads back to the same preset."""
     config = models.preset(name)
     hf = config_to_hf(config)
     assert config_from_hf(hf) == config
-    config_cls, model_cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                              "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[
                                  config.architecture]
     fields = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
@@ -147,6 +148,11 @@ def test_presets_map_to_transformers_with_the_same_parameter_count(name):
     assert sum(p.numel() for p in peer.parameters()) == config.num_params()
     if config.architecture == "gemma3":
         assert peer.config.layer_types == [_S if s else _F for s in config.sliding_layers()]
+
+
+def test_qwen2_5_72b_has_its_model_cards_parameter_counts():
+    # Qwen/Qwen2.5-72B's model card: 72.7B parameters (its shapes against transformers: the test above)
+    assert round(models.preset("qwen2.5-72b").num_params() / 1e9, 1) == 72.7
 
 
 BASE = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,

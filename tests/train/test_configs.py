@@ -146,3 +146,19 @@ def test_token_weighted_whitening_reaches_the_loop(tmp_path, monkeypatch):
     train_and_evaluate(config, tmp_path)
     (whiten, lengths), = seen
     assert whiten == "token" and lengths.shape == (4,) and int(lengths.min()) >= 1
+
+
+@pytest.mark.parametrize("arg", ["72b", "72b,4chip", "qwen3-32b", "7b,1gpu", "1.5b,1chip"])
+def test_paper_placements_store_bf16_weights_from_the_start_and_one_response_per_device_per_microbatch(arg):
+    config = load("paper_qwen2.5_math.py", arg)
+    config.model.checkpoint = "/data/model"
+    config.task.jsonl_train, config.task.jsonl_eval = "/data/train.jsonl", "/data/eval.jsonl"
+    run = RunConfig.from_dict(config)
+    devices = {"72b": 8, "72b,4chip": 4, "qwen3-32b": 8, "7b,1gpu": 1, "1.5b,1chip": 1}[arg]
+    assert run.optimizer.weight_dtype == run.model.overrides["param_dtype"] == "bfloat16"
+    rows_split = devices // (4 if arg == "72b,4chip" else 1)  # that placement is tensor-parallel: rows are not split
+    assert run.train.microbatches * rows_split == run.rollout.prompts_per_step * run.rollout.num_samples
+    assert run.model.overrides["remat"] == "full" and run.rollout.slots == 32
+    # AdamW cannot store bfloat16 weights: setting float32 back moves the model's storage with it
+    config.optimizer.update(name="adamw", weight_dtype="float32", sketch_native=False, kl_control=False)
+    assert RunConfig.from_dict(config).model.overrides["param_dtype"] == "float32"
