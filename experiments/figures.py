@@ -286,6 +286,11 @@ def _whole_job() -> Iterator[Quote]:
                  peak(logra7), phase(logra7, "rollout"), phase(adamw7, "train step"), phase(adamw7, "rollout"))
     yield from q(REPORT, "LoGRA+KL fits, peak {:.2f} of 80 GiB (the rollout); AdamW-targets does not ({:.2f})",
                  peak(logra27), peak(adamw27))
+    gemma = plans["27b", "h100:8", "logra_kl"]
+    yield from q(REPORT, "Gemma-3-27B on 8 × H100 (XLA:GPU): LoGRA+KL fits, peak {:.2f} of 80 GiB (the rollout), one "
+                         "RL step {:.0f} s on paper", peak(gemma), gemma["rl_step"]["seconds"])
+    yield from q(MEMORY, "LoGRA's whole job fits at a peak of {:.2f} GiB (the rollout", peak(gemma))
+    yield from q(MEMORY, "its peak is the policy sync, {:.2f} GiB", peak(logra7))
 
 
 def _fits() -> Iterator[Quote]:
