@@ -268,9 +268,9 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     largest = max(largest, refill_bytes, key=lambda b: b["total"])
     if refused:
         return PhaseBytes(name, largest, others, note, refused)
-    decode_program = slots_lib.decode_program(mesh.devices.flat[0].platform)
-    decode_bytes, refused, decode = compiled_bytes(decode_program, graphdef, state, slots, key, config=sampling,
-                                                   bucket=job.prompt_len + sampling.max_new_tokens, mesh=mesh)
+    decode_bytes, refused, decode = compiled_bytes(slots_lib.decode_program(slots), graphdef, state, slots, key,
+                                                   config=sampling, bucket=job.prompt_len + sampling.max_new_tokens,
+                                                   mesh=mesh)
     largest = max(largest, decode_bytes, key=lambda b: b["total"])
     if refused:
         return PhaseBytes(name, largest, others, note, refused)

@@ -169,9 +169,10 @@ GPU_DECODE_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 decode_gpu = jax.jit(_decode, compiler_options=GPU_DECODE_OPTIONS, **_DECODE_JIT)
 
 
-def decode_program(platform: str):
-    """The jitted decode chunk (`decode`'s signature) for devices of `platform` ("cpu", "gpu", "tpu")."""
-    return decode_gpu if platform == "gpu" else decode
+def decode_program(slots: Slots):
+    """The jitted decode chunk (`decode`'s signature) for these slots: `decode_gpu` for a per-layer cache (the
+    engine's layout on GPUs, `ModelConfig.decode_unroll`), else `decode`."""
+    return decode_gpu if isinstance(slots.cache.k, tuple) else decode
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -232,10 +233,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
     K = prefill_lanes(config, B, R)
     slots, prompts, prompt_mask = start(graphdef, state, prompts, prompt_mask, config=config, num_slots=S,
                                          mesh=mesh)
-    leaf = jax.tree.leaves(state)[0]
-    platform = (mesh.devices.flat[0].platform if mesh is not None else
-                next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend())
-    step = decode_program(platform)
+    step = decode_program(slots)
     waiting, done, t = 0, np.ones(S, bool), np.zeros(S, np.int64)
     while True:
         free = np.flatnonzero(done)
