@@ -42,8 +42,11 @@ demo: $(RUN_STAMP)
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 
+# Three xdist workers on CI's two cores: a worker waits on its job subprocesses, checkpoint writes and XLA's
+# thread hand-offs often enough that two leave a core idle (tests/train: 231 s with -n 2, 160 s with -n 3, 178 s
+# with -n 4; README "Testing").
 test: $(DEV_STAMP) lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests
 
 $(DOCS_STAMP): $(DEV_STAMP) requirements-docs.txt
 	$(PIP) -r requirements-docs.txt

@@ -359,15 +359,31 @@ def _phase_train_step(job: _Job) -> PhaseBytes:
 
 
 def _phase_policy_sync(job: _Job) -> PhaseBytes:
-    """The engine's publish: the trainer's weights cast and resharded into the decode layout (the job's own
-    program, `DecodeLayout.cast`; the engine drops its previous copy first)."""
+    """The engine's publish: the trainer's weights cast and resharded into the decode layout, group by group (the
+    job's own programs, `DecodeLayout.groups` and `.cast`; the engine drops its previous copy first). Its bytes are
+    those of the group whose program peaks highest beside the trainer's state, the reference and the engine
+    weights the groups before it built; its time, all the groups'."""
     from logra_jax.rollout.sync import flat_params
 
     shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
-    return _timed(job, "policy sync", compiled_bytes(job.layout.cast(to_copy), to_copy),
-                  job.alive("state", "ref") - device_bytes(to_copy),
-                  f"the trainer's weights cast to {job.layout.config.param_dtype} and resharded into the decode "
-                  f"layout ({len(to_copy)} leaves; {len(shared)} shared as they are)")
+    groups = job.layout.groups(to_copy)
+    alive, built, worst, times = job.alive("state", "ref"), 0, None, []
+    for group in groups:
+        result = compiled_bytes(job.layout.cast(group), group)
+        phase = _timed(job, "policy sync", result, alive - device_bytes(group) + built,
+                       f"the trainer's weights cast to {job.layout.config.param_dtype} and resharded into the decode "
+                       f"layout ({len(to_copy)} leaves in {len(groups)} programs; {len(shared)} shared as they are)")
+        if worst is None or phase.total > worst.total:
+            worst = phase
+        if result[1]:  # refused for memory
+            return phase
+        times.append(phase.time)
+        built += result[0]["output"]
+    if len(times) > 1:  # the phase's time: every group's program once
+        add = lambda k: None if any(t[k] is None for t in times) else sum(t[k] for t in times)
+        worst.time = {**worst.time, **{k: add(k) for k in ("flops", "hbm_bytes", "collective_bytes", "floor_bytes",
+                                                           "est_seconds", "floor_seconds")}}
+    return worst
 
 
 def _phase_evaluation(job: _Job) -> PhaseBytes:

@@ -44,6 +44,14 @@ os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8 {x
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests marked `slow` first (a stable sort, the same on every xdist worker): the workers take tests in
+    collection order (after the xdist groups, which go first), so the long ones start early and the short ones even
+    out the end, instead of one long test finishing the run alone. `-m "not slow"` leaves them out (a quick check;
+    `make test` runs them all)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_unconfigure(config):
     if _OWNED_CACHE is not None and not hasattr(config, "workerinput"):
         shutil.rmtree(_OWNED_CACHE, ignore_errors=True)

@@ -83,6 +83,10 @@ def default_decode_tensor(config: ModelConfig, mesh: Mesh) -> int:
     return decode_tensor_sizes(config, mesh.devices.size)[-1]
 
 
+# Per device, the engine weights one publish program builds (a leaf larger than this is a group alone).
+PUBLISH_GROUP_BYTES = 512 * 2**20
+
+
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of the model's parameters as stored under `config`."""
     state = nnx.state(abstract_model(config), nnx.Param)
@@ -129,6 +133,23 @@ class DecodeLayout:
                     and sharding.is_equivalent_to(want.sharding, len(want.shape)))
             (shared if same else to_copy)[path] = leaf
         return shared, to_copy
+
+    def groups(self, leaves: dict[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
+        """These trainer leaves (by path) in the groups `publish` casts and reshards one program at a time: in the
+        engine's order, each holding at most `limit` (default `PUBLISH_GROUP_BYTES`) bytes of engine weights per
+        device (a larger leaf alone)."""
+        limit = PUBLISH_GROUP_BYTES if limit is None else limit
+        out: list[dict[str, Any]] = []
+        size = limit
+        for path, x in leaves.items():
+            want = self.leaves[path]
+            nbytes = int(np.prod(want.sharding.shard_shape(want.shape))) * np.dtype(want.dtype).itemsize
+            if size + nbytes > limit:
+                out.append({})
+                size = 0
+            out[-1][path] = x
+            size += nbytes
+        return out
 
     def cast(self, leaves: dict[str, Any]) -> Any:
         """The jitted cast + reshard of these trainer leaves (arrays or abstract, by path) into the decode layout,
@@ -193,7 +214,9 @@ class ColocatedEngine:
         start = time.perf_counter()
         shared, to_copy = self.layout.split({**self._rest, **flat_params(params)})
         self.state = None  # the previous copy goes before the new one is built (the peak holds one copy)
-        copied = self.layout.cast(to_copy)(to_copy)
+        copied: dict[str, Any] = {}
+        for group in self.layout.groups(to_copy):  # one program per group: bounded reshard temporaries
+            copied.update(self.layout.cast(group)(group))
         self.state = jax.block_until_ready(self.layout.state({**shared, **copied}))
         self.version = self.version + 1 if version is None else version
         nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in tree.values())

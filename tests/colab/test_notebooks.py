@@ -50,6 +50,7 @@ def test_notebook_is_committed_clean(name: str):
 
 
 @pytest.mark.parametrize("name", sorted(CELL_TIMEOUT_S))
+@pytest.mark.slow
 def test_notebook_runs(name: str, jupyter_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # The kernel inherits this environment: the fake CPU devices of conftest.py, plus cheaper XLA:CPU code
     # generation (the compiled programs run a few steps; compile time dominates).

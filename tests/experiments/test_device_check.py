@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,6 +22,7 @@ def test_check_script_names_an_unknown_argument(tmp_path):
     assert not (tmp_path / "log.txt").exists()  # refused before anything ran
 
 
+@pytest.mark.slow
 def test_check_script_smoke_runs_every_step_and_prints_the_table(tmp_path, tmp_path_factory):
     wheels = tmp_path_factory.mktemp("wheels")  # a carried wheel that --smoke (without --wheels) must not install
     (wheels / "broken-0.0-py3-none-any.whl").write_bytes(b"not a wheel")

@@ -168,6 +168,7 @@ def test_controller_state_survives_checkpoint_round_trip(tmp_path):
     assert float(optax.tree_utils.tree_get(restored, "kl_alpha")) == float(optax.tree_utils.tree_get(state, "kl_alpha"))
 
 
+@pytest.mark.slow
 def test_predicted_matches_realised_kl_on_smollm2_controlled_step():
     """SmolLM2-135M-Instruct: a LoGRA proposal at update_ratio 1e-3 is far outside the quadratic regime
     (realised/predicted ≈ 0.3, see experiments/kl), so the controller scales it to the 2e-4 budget; the

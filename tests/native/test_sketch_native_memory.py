@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from logra_jax import sharding as shd
@@ -90,6 +91,7 @@ def test_dense_gradient_sketch_temporaries_do_not_grow_with_layers():
     assert many <= 1.25 * few
 
 
+@pytest.mark.slow
 def test_rl_step_memory_includes_the_kl_probe():
     """The loop's own RL step, compile-only, with and without predicted-KL control: the controlled step reads the
     probe responses too, so its argument bytes hold at least the probe's tokens and masks; its temporaries hold

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jax
+import pytest
 
 from logra_jax import plan
 from logra_jax.memory_analysis import rl_step_memory
@@ -17,6 +18,7 @@ from logra_jax.sharding import FAST_CPU_COMPILE, MeshConfig, make_mesh
 MODEL = {"preset": "tiny", "tokenizer": "char", "overrides": {"max_seq_len": 32}}
 
 
+@pytest.mark.slow
 def test_train_step_bytes_agree_with_the_memory_experiment():
     """The plan's train step (the job's step from the run config) and `memory_analysis.rl_step_memory` (the memory
     tables' step) compile the same sharded program for the same shapes: equal bytes up to the updates the job's
@@ -87,6 +89,7 @@ def _bytes_by_hand(model_config, weight_dtype: str, engine_dtype: str, devices: 
     return {"ref": matrices * size[weight_dtype] // devices + norms * 4, "engine": matrices * size[engine_dtype]}
 
 
+@pytest.mark.slow
 def test_every_phase_counts_the_engine_and_reference_the_job_builds():
     """All eight phases compile on a tiny job (2 fake devices, FSDP) with bfloat16 weights, the two that hold the
     engine and the reference with float32 weights too; the train step's "beside it" (the KL reference: the engine

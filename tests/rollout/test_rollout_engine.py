@@ -3,6 +3,8 @@ the trainer's weights round to after 20 optimizer updates, each split at most ov
 trainer's 8 ways); rollouts equal a one-device sampler's; a float32 job on one device shares the trainer's arrays.
 (What a decode step moves between devices is counted on the real compilers by `python -m logra_jax.plan`.)"""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from flax import nnx
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim import apply_updates, logra
+from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout.engine import ColocatedEngine, decode_mesh, decode_tensor_sizes, default_decode_tensor
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.slots import Sampler
@@ -33,12 +36,15 @@ def _bits(x):
 @pytest.fixture(scope="module")
 def trained():
     """20 LoGRA updates of a tiny bf16-compute model in the trainer's FSDP 8 layout, the engine (decode layout
-    data 4 × tensor 2) published after each; returns the engine and the trainer's final weights."""
+    data 4 × tensor 2) published after each, one leaf per program (`PUBLISH_GROUP_BYTES` = 1 byte); returns the
+    engine and the trainer's final weights."""
     mesh = make_mesh(MeshConfig(fsdp=8))
     model = init_model(CONFIG, seed=2)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = jax.device_put(params, param_shardings(params, mesh))
-    engine = ColocatedEngine(CONFIG, SAMPLING, mesh, params, rest, tensor=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_lib, "PUBLISH_GROUP_BYTES", 1)  # every leaf its own program: publish in groups
+        engine = ColocatedEngine(CONFIG, SAMPLING, mesh, params, rest, tensor=2)
     tx = logra(rank=4, update_ratio=3e-2)
     opt_state = tx.init(params)
 
@@ -49,9 +55,11 @@ def trained():
         return updates, apply_updates(params, updates), opt_state
 
     first = jax.device_get(flat_params(engine.state))
-    for step in range(20):
-        updates, params, opt_state = update(params, opt_state, jax.random.key(step))
-        report = engine.publish(updates, params)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_lib, "PUBLISH_GROUP_BYTES", 1)
+        for step in range(20):
+            updates, params, opt_state = update(params, opt_state, jax.random.key(step))
+            report = engine.publish(updates, params)
     return {"engine": engine, "params": params, "rest": rest, "graphdef": graphdef, "mesh": mesh, "first": first,
             "report": report}
 
@@ -75,6 +83,24 @@ def test_engine_weights_bitwise_the_trainers_rounded_after_20_updates(trained):
     assert trained["report"].nbytes + engine.shared_bytes == sum(x.size * x.dtype.itemsize for x in ours.values())
     assert ours["final_norm.scale"] is theirs["final_norm.scale"] and engine.shared_bytes > 0
     assert trained["report"].version == 20
+
+
+def test_publish_groups_partition_the_leaves_within_the_byte_limit(trained):
+    """`DecodeLayout.groups`: every leaf to copy exactly once, in order; a group over the limit is a single leaf;
+    a limit of one leaf's bytes or less gives one program per leaf, the whole model's bytes one program."""
+    layout = trained["engine"].layout
+    _, to_copy = layout.split({**flat_params(trained["rest"]), **flat_params(trained["params"])})
+    want = layout.leaves
+    size = {p: int(np.prod(want[p].sharding.shard_shape(want[p].shape))) * want[p].dtype.itemsize for p in to_copy}
+    assert len(to_copy) > 2
+    for limit in (1, min(size.values()), max(size.values()), 2 * max(size.values()), sum(size.values())):
+        groups = layout.groups(to_copy, limit)
+        assert [p for g in groups for p in g] == list(to_copy), limit
+        assert all(len(g) == 1 or sum(size[p] for p in g) <= limit for g in groups), limit
+        # greedy: no two neighbouring groups would fit in one
+        assert all(sum(size[p] for p in a) + sum(size[p] for p in b) > limit
+                   for a, b in itertools.pairwise(groups)), limit
+    assert len(layout.groups(to_copy, 1)) == len(to_copy) and len(layout.groups(to_copy, sum(size.values()))) == 1
 
 
 def test_engine_rollouts_equal_a_one_device_sampler(trained):

@@ -215,6 +215,7 @@ def _varied_eos(model, config, key):
     return graphdef, state, max(set(tokens.ravel().tolist()) - {0, 1}, key=spread)
 
 
+@pytest.mark.slow
 def test_schedule_does_not_change_the_result(model):
     """Rows of different lengths decoded with every row at once, in 2 or 5 slots refilled as rows end, with other
     decode_steps and length buckets: the same tokens, lengths and finished flags (a row's draws depend on (key,
@@ -254,6 +255,7 @@ def test_greedy_equals_the_batched_greedy_decoder_token_for_token(model):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-gemma3"])
+@pytest.mark.slow
 def test_a_per_layer_cache_decodes_as_the_stacked_one(name):
     """`ModelConfig.decode_unroll` (the GPU engine's per-layer KV cache, its layers unrolled, each attending in
     place over its buffer up to the length bucket) samples what the stacked cache under the layer scan samples:

@@ -45,6 +45,7 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
+@pytest.mark.slow
 def test_missing_peer_is_a_clear_error(tmp_path):
     # Process 0 of 2 alone, and process 1 of 2 with no coordinator: both must fail fast and say why.
     alone = _spawn(0, 2, _free_port(), tmp_path / "a", 3)

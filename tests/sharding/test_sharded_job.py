@@ -116,6 +116,7 @@ _LOADER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_read_only_their_own_slices(tmp_path):
     """2 processes × 4 devices, one (fsdp 4, tensor 2) mesh: each process reads the slices its devices hold, about
     half of the checkpoint (replicated norms are read by both), and together they read all of it."""
@@ -157,6 +158,7 @@ _JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_every_phase_of_the_job_leaves_each_device_its_share(tmp_path):
     """The main job on an 8-device FSDP mesh: after start-up, the SFT warm start, the optimizer's init, the first
     RL step and a restore, device 0 holds no more live bytes than 1.25 × the emptiest device, and no device more

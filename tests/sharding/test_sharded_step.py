@@ -88,6 +88,7 @@ def _reference(name: str):
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("name", ["adamw", "logra_dense_grad", "logra_sketch_native"])
+@pytest.mark.slow
 def test_sharded_step_equals_unsharded(name, mesh_name):
     init_fn, step_fn, batch, (state0, rest) = _problem(name)
     mesh = shd.make_mesh(MESHES[mesh_name])

@@ -24,7 +24,7 @@ from logra_jax.sharding import MeshConfig, make_mesh
 
 # its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
 # --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("sync_worker")
+pytestmark = [pytest.mark.xdist_group("sync_worker"), pytest.mark.slow]
 
 CONFIG = preset("tiny")
 SAMPLING = SamplingConfig(max_new_tokens=8, eos_id=1, pad_id=0, num_samples=2, temperature=1.0)

@@ -122,6 +122,7 @@ def test_round_bf16_is_none_a_bool_or_a_clear_error(monkeypatch):
         RunConfig.from_dict({"optimizer": {"round_bf16": "yes"}})
 
 
+@pytest.mark.slow
 def test_token_weighted_whitening_reaches_the_loop(tmp_path, monkeypatch):
     """algorithm.whiten='token' gives reinforce++ the rollout's response lengths; elsewhere it is an error."""
     import logra_jax.rl.advantages as advantages

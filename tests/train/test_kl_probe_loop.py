@@ -68,6 +68,7 @@ def _kl_controlled_step(undo_above=0.0):
     return step, state, rest, batch, probe
 
 
+@pytest.mark.slow
 def test_refused_step_advances_no_state(monkeypatch):
     predictions = iter([1e-4, float("nan"), -1.0, 1e-4])
     monkeypatch.setattr(train_step_mod, "make_kl_probe",
@@ -114,6 +115,7 @@ def test_overshooting_step_is_undone(monkeypatch, undo_above):
     assert all(same) if undone else not all(same)
 
 
+@pytest.mark.slow
 def test_three_consecutive_refusals_stop_the_run_naming_the_step(tmp_path, monkeypatch):
     monkeypatch.setattr(train_step_mod, "make_kl_probe",
                         lambda *a, **k: lambda updates: (jnp.float32(jnp.nan), jnp.float32(1.0)))

@@ -25,7 +25,7 @@ from logra_jax.train import train_and_evaluate
 
 # every test of the module on one xdist worker (make test's --dist loadgroup), so that its session-scoped fixture is
 # built once (session, not module: xdist interleaves other modules' tests, which tears a module fixture down)
-pytestmark = pytest.mark.xdist_group("run_lifecycle")
+pytestmark = [pytest.mark.xdist_group("run_lifecycle"), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6

@@ -44,6 +44,7 @@ def test_cached_warm_start_trains_once_and_reloads_bit_for_bit(tmp_path):
         cached_warm_start(other, warm_start, tmp_path, key)
 
 
+@pytest.mark.slow
 def test_runs_from_the_cache_equal_the_run_that_filled_it(tmp_path):
     config = {
         "model": {"preset": "tiny", "overrides": {"max_seq_len": 16}},

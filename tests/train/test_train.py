@@ -23,6 +23,7 @@ from logra_jax.train import train_and_evaluate
     {"name": "logra", "sketch_native": False, "kl_control": False},
     {"name": "logra", "sketch_native": True, "kl_control": True, "probe_responses": 2, "non_targets": "adamw"},
 ], ids=["adamw", "galore", "logra_dense_grad", "logra_sketch_native_kl"])
+@pytest.mark.slow
 def test_three_steps_end_to_end(tmp_path, optimizer, tiny_config, read_metrics):
     calls = []
 
@@ -50,6 +51,7 @@ def test_three_steps_end_to_end(tmp_path, optimizer, tiny_config, read_metrics):
     assert (tmp_path / "summary.json").exists() and list(tmp_path.rglob("events.out.tfevents*"))
 
 
+@pytest.mark.slow
 def test_sharded_run_with_reference_kl(tmp_path, tiny_config, read_metrics):
     """A data=2 × fsdp=2 mesh with a reference-KL penalty: runs, stays finite, the engine stays in sync."""
     config = tiny_config(train={"steps": 2, "microbatches": 1, "mesh_data": 2, "mesh_fsdp": 2},
@@ -66,10 +68,16 @@ class _Interrupt(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch, tiny_config, read_metrics):
-    config = tiny_config(optimizer={"kl_control": True, "probe_responses": 2},
+    """Killed after the checkpoint at step 2 of 4 and run again: the resumed run's metrics and final checkpoint
+    equal the uninterrupted run's. With an SFT warm start, a reference-KL penalty and the KL controller: the
+    reference is the policy RL starts from (after SFT), and the resumed run must use that one, not the policy it
+    restores, to reproduce the uninterrupted run's KL and losses."""
+    config = tiny_config(optimizer={"kl_control": True, "probe_responses": 2}, algorithm={"kl_beta": 0.05},
+                         sft={"steps": 3, "batch_size": 4, "train_size": 32},
                          train={"steps": 4, "checkpoint_every": 2, "microbatches": 2})
-    train_and_evaluate(config, tmp_path / "straight")
+    train_and_evaluate(config, tmp_path / "straight", reward_fn=_digit_fraction)  # rewards that differ: it learns
 
     real = train_mod.score_responses
     calls = {"n": 0}
@@ -82,11 +90,13 @@ def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch, tiny_config, re
 
     monkeypatch.setattr(train_mod, "score_responses", dies_after_step_two)
     with pytest.raises(_Interrupt):
-        train_and_evaluate(config, tmp_path / "resumed")
+        train_and_evaluate(config, tmp_path / "resumed", reward_fn=_digit_fraction)
     monkeypatch.setattr(train_mod, "score_responses", real)
-    train_and_evaluate(config, tmp_path / "resumed")
+    train_and_evaluate(config, tmp_path / "resumed", reward_fn=_digit_fraction)
 
-    assert read_metrics(tmp_path / "resumed") == read_metrics(tmp_path / "straight")
+    straight = read_metrics(tmp_path / "straight")
+    assert sum("loss" in r for r in straight) == 4 and any(r.get("kl", 0) > 0 for r in straight)  # KL in play
+    assert read_metrics(tmp_path / "resumed") == straight
     layouts = [json.loads((tmp_path / run / "checkpoints" / "4" / "layout" / "metadata").read_text())
                for run in ("straight", "resumed")]
     assert [leaf["fingerprint"] for leaf in layouts[0]["leaves"]] == [
@@ -101,32 +111,6 @@ def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch, tiny_config, re
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises((CheckpointError, FileNotFoundError), match="checkpoints"):
         train_and_evaluate({**config, "train": {**config["train"], "steps": 6}}, broken)
-
-
-def test_resume_keeps_the_sft_weights_as_the_kl_reference(tmp_path, monkeypatch, tiny_config, read_metrics):
-    """With a reference-KL penalty the reference is the policy RL starts from (after SFT); a resumed run must use
-    the same one, so it reproduces the uninterrupted run's KL and losses."""
-    config = tiny_config(algorithm={"kl_beta": 0.05}, sft={"steps": 3, "batch_size": 4, "train_size": 32},
-                         train={"steps": 3, "checkpoint_every": 1, "microbatches": 1},
-                         rollout={"prompts_per_step": 2, "num_samples": 4})
-    train_and_evaluate(config, tmp_path / "straight", reward_fn=_digit_fraction)
-    real = train_mod.score_responses
-    calls = {"n": 0}
-
-    def dies_after_step_one(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise _Interrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(train_mod, "score_responses", dies_after_step_one)
-    with pytest.raises(_Interrupt):
-        train_and_evaluate(config, tmp_path / "resumed", reward_fn=_digit_fraction)
-    monkeypatch.setattr(train_mod, "score_responses", real)
-    train_and_evaluate(config, tmp_path / "resumed", reward_fn=_digit_fraction)
-    straight = read_metrics(tmp_path / "straight")
-    assert any(r.get("kl", 0) > 0 for r in straight)  # the reference penalty is in play
-    assert read_metrics(tmp_path / "resumed") == straight
 
 
 @pytest.mark.parametrize(("section", "field", "value", "message"), [
@@ -157,6 +141,7 @@ def _digit_fraction(response, problem):
     return sum(c.isdigit() for c in response) / 4
 
 
+@pytest.mark.slow
 def test_rl_raises_the_reward(tmp_path, tiny_config, read_metrics):
     """20 LoGRA steps (non-targets with AdamW) on a random-init model: the digit-fraction reward must rise.
 
@@ -173,26 +158,19 @@ def test_rl_raises_the_reward(tmp_path, tiny_config, read_metrics):
     assert last - first > 0.5, rewards
 
 
-def test_separate_rollout_worker_reproduces_colocated_run(tmp_path, tiny_config, read_metrics):
-    """rollout.workers=1 (a worker process fed by low-rank payloads over loopback) gives the colocated run's
-    metrics for the same seed: same rollouts, rewards, losses and KL, with no resync."""
-    config = tiny_config(optimizer={"kl_control": True, "probe_responses": 2}, train={"steps": 3})
-    runs = {}
-    for workers in (0, 1):
-        config["rollout"] = {**config["rollout"], "workers": workers}
-        train_and_evaluate(config, tmp_path / f"workers{workers}")
-        runs[workers] = [{k: v for k, v in r.items() if k not in ("sync_bytes",)}
-                         for r in read_metrics(tmp_path / f"workers{workers}")]
-    assert runs[1] == runs[0]
-    assert all(r.get("sync_resyncs", 0) == 0 for r in runs[1])
-
-
-def test_bf16_weights_train_and_the_engine_follows_bit_for_bit(tmp_path, monkeypatch, tiny_config, read_metrics):
+@pytest.mark.slow
+def test_bf16_weights_train_and_a_worker_engine_follows_bit_for_bit(tmp_path, monkeypatch, tiny_config,
+                                                                     read_metrics):
     """optimizer.weight_dtype=bfloat16: the trainer stores its matrices in bfloat16 (checkpointed so); each of three
     steps' stochastic merges moves every target matrix, and a rollout worker fed only the low-rank payloads
-    (rollout.workers=1) holds the trainer's weights bit for bit after each (fetched back; never resynced)."""
+    (rollout.workers=1) holds the trainer's weights bit for bit after each (fetched back; never resynced), so the
+    run reproduces the colocated engine's run (rollout.workers=0) for the same seed: same rollouts, rewards, losses
+    and KL. (The float32 loop's worker == colocated: tests/sync/test_sync_worker.py.)"""
     config = tiny_config(optimizer={"weight_dtype": "bfloat16", "kl_control": True, "probe_responses": 2},
-                         train={"steps": 3, "checkpoint_every": 3}, rollout={"workers": 1})
+                         train={"steps": 3, "checkpoint_every": 3}, rollout={"workers": 0})
+    train_and_evaluate(config, tmp_path / "colocated", reward_fn=_digit_fraction)
+    config["rollout"] = {**config["rollout"], "workers": 1}
+    colocated = [{k: v for k, v in r.items() if k != "sync_bytes"} for r in read_metrics(tmp_path / "colocated")]
     real, held = train_mod.rollout_engine, []  # per publication: (the trainer's weights, the worker's)
     host = lambda params: jax.device_get(flat_params(params))
 
@@ -210,8 +188,10 @@ def test_bf16_weights_train_and_the_engine_follows_bit_for_bit(tmp_path, monkeyp
         return engine
 
     monkeypatch.setattr(train_mod, "rollout_engine", fetched_after_every_publish)
-    train_and_evaluate(config, tmp_path, reward_fn=_digit_fraction)
-    steps = [r for r in read_metrics(tmp_path) if "loss" in r]
+    worker_dir = tmp_path / "worker"
+    train_and_evaluate(config, worker_dir, reward_fn=_digit_fraction)
+    assert [{k: v for k, v in r.items() if k != "sync_bytes"} for r in read_metrics(worker_dir)] == colocated
+    steps = [r for r in read_metrics(worker_dir) if "loss" in r]
     assert len(steps) == 3 and all(r["sync_resyncs"] == 0 and r["kl_refused"] == 0 and math.isfinite(r["loss"])
                                    for r in steps), steps
     assert len(held) == 4  # the bootstrap snapshot and three deltas
@@ -223,7 +203,7 @@ def test_bf16_weights_train_and_the_engine_follows_bit_for_bit(tmp_path, monkeyp
     assert targets and {str(held[0][0][p].dtype) for p in targets} == {"bfloat16"}
     for (before, _), (after, _) in itertools.pairwise(held):
         assert {p for p in before if np.any(before[p] != after[p])} == targets  # the merges, and nothing else
-    meta = ocp.PyTreeCheckpointer().metadata(tmp_path / "checkpoints" / "3" / "state")
+    meta = ocp.PyTreeCheckpointer().metadata(worker_dir / "checkpoints" / "3" / "state")
     meta = getattr(meta, "item_metadata", meta)
     dtypes = {leaf.name: str(leaf.dtype) for leaf in jax.tree.leaves(meta) if ".params." in f".{leaf.name}"}
     kernels = {p: d for p, d in dtypes.items() if p.endswith(("kernel.value", "embedding.value"))}

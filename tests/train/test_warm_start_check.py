@@ -57,6 +57,7 @@ def test_a_warm_start_above_max_final_loss_stops_the_run_before_rl(tmp_path, tin
     assert "held-out accuracy before RL" not in log and not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_the_record_reaches_the_summary_and_a_resumed_run_through_the_checkpoint(tmp_path, tiny_config):
     config = tiny_config(sft={"steps": 3, "batch_size": 4, "max_final_loss": 100.0},
                          train={"steps": 1, "checkpoint_every": 1})
