@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxlib import version as jaxlib_version
 
 from logra_jax.derived_specs import MeshAxes, as_tuple, derive_spec, entry
 from logra_jax.kernels.backend import compiling_for
@@ -532,11 +533,15 @@ def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = D
                    compiler_options=None if compiler_options is None else dict(compiler_options))
 
 
-# Cheaper XLA:CPU code generation for compile-only analysis (no LLVM optimisation, the classic loop emitters): faster
-# compiles. Buffer assignment happens before code generation, so the per-device bytes are the default pipeline's up
-# to alignment.
+# XLA:CPU's classic loop emitters, cheaper to compile than its fusion emitters, and the flag that chose between them
+# (an unknown flag is an error) exist up to jaxlib 0.11.0; from 0.11.1 on only the fusion emitters remain.
+CPU_LOOP_EMITTERS: bool = jaxlib_version.__version_info__ < (0, 11, 1)
+
+# Cheaper XLA:CPU code generation for compile-only analysis (no LLVM optimisation; the classic loop emitters where
+# XLA still has them): faster compiles. Buffer assignment happens before code generation, so the per-device bytes
+# are the default pipeline's up to alignment.
 FAST_CPU_COMPILE: Mapping[str, Any] = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                                       "xla_cpu_use_fusion_emitters": False}
+                                       **({"xla_cpu_use_fusion_emitters": False} if CPU_LOOP_EMITTERS else {})}
 
 
 def xla_flags(options: Mapping[str, Any] = FAST_CPU_COMPILE) -> str:

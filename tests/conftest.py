@@ -4,10 +4,10 @@ on (tests/train/conftest.py).
 
 The cheap code generation is `logra_jax.sharding.FAST_CPU_COMPILE` as XLA_FLAGS (each flag unless XLA_FLAGS
 already sets it): XLA's HLO passes (fusion, layout, scheduling) run as always; LLVM does not optimise the generated
-kernels and the classic loop emitters replace the fusion emitters. The tests' programs are small and each is
-compiled once, so compiling dominates their time: a tiny RL step with microbatches and a 3-step job, 28 s with the
-default pipeline (13.7 + 14.4 s), 24 s at -O0 alone, 16 s with all three; a SmolLM2 step, where running dominates,
-25 → 24 s.
+kernels and, up to jaxlib 0.11.0 (`sharding.CPU_LOOP_EMITTERS`), the classic loop emitters replace the fusion
+emitters. The tests' programs are small and each is compiled once, so compiling dominates their time: a tiny RL
+step with microbatches and a 3-step job, 28 s with the default pipeline (13.7 + 14.4 s), 24 s at -O0 alone, 16 s
+with all three; a SmolLM2 step, where running dominates, 25 → 24 s (jax 0.10.2).
 
 The folder is fresh per `pytest` session and shared by its xdist workers (the controlling process sets it before
 they start) and by the job subprocesses they launch, through the environment. A cache hit returns the executable

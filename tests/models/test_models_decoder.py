@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from logra_jax import sharding as shd
 from logra_jax.models import ModelConfig, preset
 
 PROMPT_LENGTHS = (5, 9, 12)
@@ -68,7 +69,7 @@ def test_chunked_attention_equals_dense_at_real_positions(random_model, forward,
 # XLA:CPU's default code generation (tests/conftest.py turns on the cheap one for the session): remat's equality is
 # a property of the pipeline users run; under the classic loop emitters the two differ in the last bit.
 DEFAULT_CPU_CODEGEN = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
-                       "xla_cpu_use_fusion_emitters": True}
+                       **({"xla_cpu_use_fusion_emitters": True} if shd.CPU_LOOP_EMITTERS else {})}
 
 
 @functools.partial(jax.jit, static_argnums=2, compiler_options=DEFAULT_CPU_CODEGEN)
