@@ -2,9 +2,10 @@
 
   python experiments/kernels/lower_all.py [--out lower.json]
 
-No accelerator is needed under jax 0.10: `jit(f).trace(...).lower(lowering_platforms=(...))` runs the Pallas
-lowering on any machine (JAX_PLATFORMS defaults to cpu here). From jax 0.11 the Triton lowering reads the GPU model
-from a default device, so on a GPU machine run it with JAX_PLATFORMS=cuda,cpu (check.sh does).
+No accelerator is needed: `jit(f).trace(...).lower(lowering_platforms=(...))` runs the Pallas lowering on any
+machine (JAX_PLATFORMS defaults to cpu here). From jax 0.11 the Triton lowering needs the GPU model: the local GPU's
+(on a GPU machine run it with JAX_PLATFORMS=cuda,cpu, as check.sh does), else an H100, named by
+`backend.compiling_for` (jax 0.10 assumed an H100's compute capability 9.0 without a GPU).
 Run by `experiments/kernels/lower_newest.sh` (the newest jax a registry offers, in a scratch virtualenv)
 and by `experiments/device/check.sh` (the accelerator machine's own jax). Prints one line per kernel and platform
 and exits 1 if any kernel failed to lower.
@@ -69,11 +70,19 @@ def _cases() -> dict[str, dict[str, tuple[Any, tuple]]]:
     }
 
 
+def _gpu_kind() -> str:
+    """The local GPU's device kind, else an H100's."""
+    try:
+        return jax.devices("gpu")[0].device_kind
+    except RuntimeError:
+        return "NVIDIA H100 80GB HBM3"
+
+
 def lower_all() -> list[dict[str, Any]]:
     rows = []
     for platform, cases in _cases().items():
         # the wrappers pick their kernels (and TPU compiler params) for the platform compiled for
-        target = backend.KernelTarget("gpu" if platform == "cuda" else platform)
+        target = backend.KernelTarget("gpu", _gpu_kind()) if platform == "cuda" else backend.KernelTarget(platform)
         with backend.compiling_for(target):
             for name, (fn, args) in cases.items():
                 row = {"platform": platform, "kernel": name}

@@ -99,15 +99,28 @@ def compiling_for(devices: Any) -> Iterator[KernelTarget]:
     `logra_jax.sharding.jit_train_step` enters it for its mesh, so a step lowered for compile-only TPU or GPU
     devices (logra_jax.aot) gets those platforms' kernels on a CPU host. jit's cache keys on the arguments and
     their shardings, not on this context: lower for a target with arguments placed on its devices (as
-    `jit_train_step` and logra_jax.aot do), or use a fresh function.
+    `jit_train_step` and logra_jax.aot do), or use a fresh function. For a GPU it also names the device kind to
+    the Triton lowering (`_naming_gpu`).
     """
-    token = _COMPILING_FOR.set(target_of(devices))
+    target = target_of(devices)
+    token = _COMPILING_FOR.set(target)
     mesh_token = _MESH.set(devices if isinstance(devices, jax.sharding.Mesh) else None)
     try:
-        yield _COMPILING_FOR.get()
+        with _naming_gpu(target):
+            yield target
     finally:
         _MESH.reset(mesh_token)
         _COMPILING_FOR.reset(token)
+
+
+def _naming_gpu(target: KernelTarget) -> contextlib.AbstractContextManager[Any]:
+    """For a GPU target, an empty abstract mesh that names its device kind: from jax 0.11 on, a process without
+    that GPU (a CPU host lowering for compile-only devices) lowers Triton kernels only for an abstract device it
+    is given (jax 0.10.x assumed compute capability 9.0); axes none, so no sharding changes."""
+    if target.platform != "gpu" or not target.device_kind:
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind=target.device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def current_mesh() -> jax.sharding.Mesh | None:
