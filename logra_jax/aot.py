@@ -316,6 +316,8 @@ def devices(target: str) -> list[jax.Device]:
             raise ValueError(f"target {target!r} needs {info.num_devices} CPU devices, JAX has {len(cpus)}: set "
                              f"XLA_FLAGS=--xla_force_host_platform_device_count={info.num_devices} before JAX starts")
         return cpus[:info.num_devices]
+    if info.platform == "tpu":  # each target names its own accelerator type, its devices cached or not
+        os.environ["TPU_ACCELERATOR_TYPE"] = accelerator_type(target)
     return list(_compile_only_devices(target))
 
 
@@ -359,9 +361,8 @@ def _compile_only_devices(target: str) -> tuple[jax.Device, ...]:
     from jax.experimental import topologies
 
     if info.platform == "tpu":
-        # Without these libtpu probes for the TPU VM's metadata and workers (and logs an error); nothing runs here.
-        # Each target names its own accelerator type (not the first TPU target's of this process).
-        os.environ["TPU_ACCELERATOR_TYPE"] = accelerator_type(target)
+        # Without these (and TPU_ACCELERATOR_TYPE, set by `devices`) libtpu probes for the TPU VM's metadata and
+        # workers (and logs an error); nothing runs here.
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only processes share no chip
         found = topologies.get_topology_desc(topology_name=target, platform="tpu",
