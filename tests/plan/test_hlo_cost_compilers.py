@@ -113,8 +113,9 @@ def _collectives(devices: list[jax.Device]) -> dict[str, tuple[object, P, float]
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_collective_form_counts_what_each_device_receives_once(target):
-    """Each collective alone, in the form its compiler emits (XLA:GPU: `<op>-start` + `<op>-done`, counted once;
-    XLA:CPU: synchronous; libtpu: synchronous here, `collective-permute-start`), against the hand count."""
+    """Each collective alone, in the form its compiler emits (XLA:GPU: `<op>-start` + `<op>-done`, counted once,
+    under jax 0.10.2, synchronous under 0.12.0.1; XLA:CPU: synchronous; libtpu: synchronous here,
+    `collective-permute-start`), against the hand count."""
     devices = _devices(target)
     forms = {}
     for name, (fn, spec, hand) in _collectives(devices).items():
@@ -125,8 +126,9 @@ def test_every_collective_form_counts_what_each_device_receives_once(target):
         forms[name] = sorted(set(re.findall(rf"\s({re.escape(name)}(?:-start|-done)?)\(", text)))
         assert forms[name], (name, "not emitted")
         assert hlo_cost(text).collective_bytes == pytest.approx(hand, rel=1e-6), (name, forms[name])
-    if target.startswith("h100"):  # the asynchronous pairs, each counted once above
-        assert all(form == [f"{name}-done", f"{name}-start"] for name, form in forms.items()), forms
+    if target.startswith("h100"):  # the asynchronous pairs, each counted once above, or all synchronous
+        assert (all(form == [f"{name}-done", f"{name}-start"] for name, form in forms.items())
+                or all(form == [name] for name, form in forms.items())), forms
 
 
 def test_an_fp8_matmul_counts_its_flops_and_bytes():
