@@ -68,15 +68,9 @@ flax.__version__, '| optax', optax.__version__, '|', jax.devices())" 2>&1 | tee 
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm \
   --format=csv,noheader 2>&1 | tee -a "$log"
 
-step() {  # step NAME LIMIT COMMAND...: run with a time limit, log everything, never stop the script
-  local name=$1 limit=$2; shift 2
-  say "$name: start (limit ${limit}s)"
-  timeout --kill-after=5 "$limit" "$@" >> "$log" 2>&1
-  local rc=$?
-  say "$name: exit $rc"
-  echo "$name $rc" >> "$out/exit_status.txt"
-}
-rm -f "$out/exit_status.txt"
+status_file="$out/exit_status.txt" kill_after=5
+. "$(dirname "$0")/steps.sh"
+rm -f "$status_file"
 # from jax 0.11 the Triton lowering needs a GPU default device: let a GPU machine keep its cuda platform
 lower_platforms=$([ "$smoke" = 1 ] && echo cpu || echo cuda,cpu)
 step lower "${limits[0]}" env JAX_PLATFORMS="$lower_platforms" "$py" experiments/kernels/lower_all.py \

@@ -49,15 +49,9 @@ if [ -n "$missing" ]; then
   exit 0
 fi
 
-step() {  # step NAME LIMIT COMMAND...: run with a time limit, log everything, never stop the script
-  local name=$1 limit=$2; shift 2
-  say "$name: start (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
-  local rc=$?
-  say "$name: exit $rc"
-  echo "$name $rc" >> "$out/vllm_exit_status.txt"
-}
-rm -f "$out/vllm_exit_status.txt"
+status_file="$out/vllm_exit_status.txt" kill_after=10
+. "$(dirname "$0")/steps.sh"
+rm -f "$status_file"
 step throughput 240 "$py" -m experiments.vllm.throughput --platform cuda --vllm-python "$vpy" --vllm-dtype "$dtype" \
   --out "$out/vllm_throughput"
 for engine in vllm jax; do
