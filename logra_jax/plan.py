@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from logra_jax.sharding import device_bytes
+
 GIB = 2**30
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 # libtpu's out-of-HBM reports (XLA:GPU and XLA:CPU compile whatever the size).
@@ -61,18 +63,6 @@ def parse_oom(message: str) -> tuple[int, int] | None:
         if found:
             return (round(float(found[1]) * _UNITS[found[2]]), round(float(found[3]) * _UNITS[found[4]]))
     return None
-
-
-def device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard: every device
-    of an evenly sharded leaf holds the same); leaves that are not arrays are skipped."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):  # a static argument (graph definition, config)
-            continue
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        total += math.prod(shape) * x.dtype.itemsize  # extended dtypes (PRNG keys) carry their own itemsize
-    return total
 
 
 @dataclasses.dataclass

@@ -533,6 +533,18 @@ def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = D
                    compiler_options=None if compiler_options is None else dict(compiler_options))
 
 
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard: every device
+    of an evenly sharded leaf holds the same); leaves that are not arrays are skipped."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):  # a static argument (graph definition, config)
+            continue
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * x.dtype.itemsize  # extended dtypes (PRNG keys) carry their own itemsize
+    return total
+
+
 # XLA:CPU's classic loop emitters, cheaper to compile than its fusion emitters, and the flag that chose between them
 # (an unknown flag is an error) exist up to jaxlib 0.11.0; from 0.11.1 on only the fusion emitters remain.
 CPU_LOOP_EMITTERS: bool = jaxlib_version.__version_info__ < (0, 11, 1)

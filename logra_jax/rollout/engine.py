@@ -39,7 +39,7 @@ from logra_jax.models.decoder import abstract_model
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.slots import generate
 from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params
-from logra_jax.sharding import MeshConfig, make_mesh, param_shardings
+from logra_jax.sharding import MeshConfig, device_bytes, make_mesh, param_shardings
 from logra_jax.tree_paths import path_str
 
 
@@ -142,8 +142,7 @@ class DecodeLayout:
         out: list[dict[str, Any]] = []
         size = limit
         for path, x in leaves.items():
-            want = self.leaves[path]
-            nbytes = int(np.prod(want.sharding.shard_shape(want.shape))) * np.dtype(want.dtype).itemsize
+            nbytes = device_bytes(self.leaves[path])
             if size + nbytes > limit:
                 out.append({})
                 size = 0
