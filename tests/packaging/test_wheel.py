@@ -22,7 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 DIST_INFO = f"logra_jax-{logra_jax.__version__}.dist-info"  # a wheel of another version has none
 
 
-@pytest.fixture(scope="module")
+# every test of the module on one xdist worker, the wheel built once (make test's --dist loadgroup; a
+# module-scoped fixture is rebuilt when xdist interleaves another module's tests)
+pytestmark = pytest.mark.xdist_group("wheel")
+
+
+@pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     src = tmp_path_factory.mktemp("src")
     shutil.copy(REPO / "pyproject.toml", src)

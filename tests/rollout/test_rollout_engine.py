@@ -33,7 +33,12 @@ def _bits(x):
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
-@pytest.fixture(scope="module")
+# every test of the module on one xdist worker, its session fixture built once (make test's --dist loadgroup; a
+# module-scoped fixture is rebuilt when xdist interleaves another module's tests)
+pytestmark = pytest.mark.xdist_group("rollout_engine")
+
+
+@pytest.fixture(scope="session")
 def trained():
     """20 LoGRA updates of a tiny bf16-compute model in the trainer's FSDP 8 layout, the engine (decode layout
     data 4 × tensor 2) published after each, one leaf per program (`PUBLISH_GROUP_BYTES` = 1 byte); returns the

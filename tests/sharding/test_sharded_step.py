@@ -22,6 +22,10 @@ from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec
 from logra_jax.train_step import TrainState, make_train_step, next_token_loss, step_shardings
 
+# every test of the module on one xdist worker (make test's --dist loadgroup): each optimizer's problem and unsharded
+# reference (functools.cache) are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("sharded_step")
+
 MESHES = {"fsdp8": shd.MeshConfig(fsdp=8), "fsdp4_tensor2": shd.MeshConfig(fsdp=4, tensor=2),
           "data2_fsdp4": shd.MeshConfig(data=2, fsdp=4)}
 STEPS = 2
