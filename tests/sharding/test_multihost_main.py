@@ -1,6 +1,6 @@
 """The main job across processes: `python -m logra_jax.main` as 2 processes × 4 fake CPU devices (jax.distributed
-over loopback) against 1 process × 8 devices with the same (data=2, fsdp=4) mesh; a 2-process run preempted by
-SIGTERM to one process, stopped by both at one checkpointed step and resumed; one process failing stops the other.
+over loopback), preempted by SIGTERM to one process, stopped by both at one checkpointed step and resumed, against
+1 process × 8 devices with the same (data=2, fsdp=4) mesh; one process failing stops the other.
 
 Like for like: the reference is one process of a `jax.distributed` run (JAX_NUM_PROCESSES=1), so its collectives
 are gloo's like those of the 2-process run (XLA:CPU's in-process all-reduce sums in another order; against it the
@@ -139,17 +139,37 @@ def jit_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, jit_cache):
-    """(reference 1 × 8 workdir, 2 × 4 workdir, shared SFT cache)."""
+    """(reference 1 × 8 workdir, 2 × 4 workdir, shared SFT cache, what the preemption left behind).
+
+    The 2-process run is preempted: once RL has started, process 1 gets SIGTERM; both stop at one checkpointed
+    step, and the same command run again resumes and finishes. That resumed run is the one compared bitwise with
+    the reference, so one job run checks both properties (a multi-process loop or a resume that changed anything
+    breaks the equality; an uninterrupted 2-process run to compare against as well would be a third job start).
+    """
     root = tmp_path_factory.mktemp("multihost_main")
     cache, one, two = root / "sft_cache", root / "one_process", root / "two_processes"
     reference = _start(_command(one, cache), _env(8, (_free_port(), 0, 1)), root / "one_process.log")
     assert _wait([reference], [root / "one_process.log"]) == [0], (root / "one_process.log").read_text()[-3000:]
-    _run_two(two, cache)
-    return one, two, cache
+    procs, logs = _two_processes(two, cache)
+    deadline = time.monotonic() + TIMEOUT_S
+    log_file = two / "log.txt"
+    while not (log_file.exists() and "held-out accuracy before RL" in log_file.read_text()):  # RL has started
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            "\n".join(log.read_text()[-3000:] for log in logs)
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    stopped = {"codes": _wait(procs, logs), "log": log_file.read_text(),
+               "checkpoints": sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()),
+               "summary": (two / "summary.json").exists(),
+               "process_logs": "\n".join(log.read_text()[-3000:] for log in logs)}
+    if stopped["codes"] == [143, 143]:  # otherwise test_sigterm_... says what happened
+        _run_two(two, cache)
+    return one, two, cache, stopped
 
 
 def test_two_processes_equal_one_process_with_the_same_mesh(runs):
-    one, two, _ = runs
+    one, two, _, stopped = runs
+    assert stopped["codes"] == [143, 143], stopped["process_logs"]  # the run was preempted, then resumed
     reference, multi = _metrics(one), _metrics(two)
     steps = [r for r in reference if "loss" in r]
     assert len(steps) == STEPS and any(abs(r["loss"]) > 0 for r in steps)  # it learned something to compare
@@ -203,29 +223,16 @@ def test_one_process_failing_stops_the_other_naming_it(jit_cache, tmp_path):
         text[0][-2000:]
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step_and_the_run_resumes_identical(runs,
-                                                                                                        tmp_path):
+def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step_and_the_run_resumes_identical(runs):
     """A scheduler preempting one host: the stop request is agreed on at the next step boundary, every process
     writes its share of that step's checkpoint and exits 143 (128 + SIGTERM); the same command run again resumes
-    from it, each process from its own data-iterator state, and ends bitwise equal to the uninterrupted run."""
-    _, two, cache = runs
-    workdir = tmp_path / "preempted"
-    procs, logs = _two_processes(workdir, cache)
-    deadline = time.monotonic() + TIMEOUT_S
-    log_file = workdir / "log.txt"
-    while not (log_file.exists() and "held-out accuracy before RL" in log_file.read_text()):  # RL has started
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            "\n".join(log.read_text()[-3000:] for log in logs)
-        time.sleep(0.05)
-    procs[1].send_signal(signal.SIGTERM)
-    assert _wait(procs, logs) == [143, 143], "\n".join(log.read_text()[-3000:] for log in logs)
-    text = (workdir / "log.txt").read_text()
-    assert "stopped: preempted" in text and "run the same command again to resume" in text
-    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [1]
-    assert not (workdir / "summary.json").exists()
-
-    _run_two(workdir, cache)
-    assert "resumed from checkpoint step 1" in (workdir / "log.txt").read_text()
-    assert _metrics(workdir) == _metrics(two)
-    for (path, a), (_, b) in zip(_state(workdir), _state(two), strict=True):
+    from it, each process from its own data-iterator state, and ends bitwise equal to the 1-process reference (the
+    `runs` fixture preempts and resumes the 2-process run)."""
+    one, two, _, stopped = runs
+    assert stopped["codes"] == [143, 143], stopped["process_logs"]
+    assert "stopped: preempted" in stopped["log"] and "run the same command again to resume" in stopped["log"]
+    assert stopped["checkpoints"] == [1] and not stopped["summary"]
+    assert "resumed from checkpoint step 1" in (two / "log.txt").read_text()
+    assert _metrics(two) == _metrics(one)
+    for (path, a), (_, b) in zip(_state(two), _state(one), strict=True):
         np.testing.assert_array_equal(a, b, err_msg=path)
