@@ -266,6 +266,13 @@ def _step_cost() -> Iterator[Quote]:
                  t["v5p", "logra_sketch_native"] / t["v5p", "adamw_targets"])
     yield from q(REPORT, "the KL probe costs {:.1f}× per training sequence and {:.0%} (H100) to {:.0%} (v5p) of a step "
                          "of the paper's 64 sequences per device", per_sequence[0], share["h100"], share["v5p"])
+    c15 = "Qwen2.5-Math-1.5B@4dev"
+    v5e = {opt: _roofline_s("v5e", c15, opt) for opt in ("adamw_targets", "logra_sketch_native",
+                                                         "logra_sketch_native_kl")}
+    yield from _quoter("experiments/memory/targets/v5e.json")(
+        REPORT, "on 4 × TPU v5e at 1.5B, LoGRA is {:.2f}× AdamW-targets and the probe {:.0%} of such a step",
+        v5e["logra_sketch_native"] / v5e["adamw_targets"],
+        (v5e["logra_sketch_native_kl"] - v5e["logra_sketch_native"]) / (paper_sequences * v5e["logra_sketch_native"]))
 
 
 def _whole_job() -> Iterator[Quote]:
