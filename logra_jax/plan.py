@@ -356,7 +356,7 @@ def _phase_policy_sync(job: _Job) -> PhaseBytes:
     from logra_jax.rollout.sync import flat_params
 
     shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
-    groups = job.layout.groups(to_copy)
+    groups = job.layout.groups(to_copy) or [{}]  # every leaf shared (one device, trainer's dtype): an empty program
     alive, built, worst, times = job.alive("state", "ref"), 0, None, []
     for group in groups:
         result = compiled_bytes(job.layout.cast(group), group)

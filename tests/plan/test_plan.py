@@ -116,6 +116,18 @@ def test_every_phase_counts_the_engine_and_reference_the_job_builds():
         assert all(p.program["total"] > 0 for p in phases.values())
 
 
+def test_policy_sync_with_every_leaf_shared_is_an_empty_program():
+    """On one device with the trainer's own compute dtype the engine shares every array (it copies nothing; the
+    engine's test checks that): the policy sync is still planned, as a program with no output, not a crash (the
+    1.5B one-chip plan failed so once publish went in groups)."""
+    run = RunConfig.from_dict({"model": MODEL, "optimizer": {"name": "logra", "rank": 4}, "sft": {"steps": 0},
+                               "rollout": {"prompts_per_step": 2, "num_samples": 2, "max_new_tokens": 4}})
+    mesh = job_mesh(run.train, jax.devices()[:1])
+    (sync,) = plan.plan_phases(run, mesh, prompt_len=8, compiler_options=FAST_CPU_COMPILE, only=("policy sync",))
+    assert sync.name == "policy sync" and "(0 leaves in 1 programs;" in sync.note, sync.note
+    assert sync.program["output"] <= 8, sync.program  # nothing built (XLA:CPU's output tuple table aside)
+
+
 def test_the_exit_status_says_which_phase_does_not_fit(capsys, tmp_path):
     """A limit between the trainer init's bytes (the optimizer state from the donated weights) and the start's
     (the weights being created): the start is named with what to change, the trainer init fits."""
