@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # pip compiles every installed .py file on one core (about half of the install's time); --no-compile and then
-# compileall over both cores gives the same .pyc files (107 s → 76 s here). Like pip, a file that does not compile
+# compileall over both cores gives the same .pyc files (108 s → 76 s here). Like pip, a file that does not compile
 # (torch ships one in Python 3.12 syntax) is left alone, hence `|| true`.
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
 PYC := $(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
