@@ -4,8 +4,8 @@ r"""bfloat16 weight storage where the steps are small: SmolLM2-135M-Instruct at 
 bf16_weights.py checked the stochastic-rounding merge on the demo at a per-layer ratio of 3e-3, where a step moves
 each weight by about one bfloat16 spacing. SmolLM2's tuned ratio is 5e-5 (experiments/smollm2/tune): most entries
 of a step are far below half a spacing, which rounding to nearest would drop and the stochastic merge carries only
-in expectation. Two contenders, paired per seed (the same SFT warm start, computed once per seed and cached; only
-the weights' storage differs):
+in expectation. Two contenders, paired per seed (the same SFT warm start: cached per seed, or computed by both runs
+of a pair that run side by side; only the weights' storage differs):
   logra-layer-f32    LoGRA sketch-native rank 64, per-layer update ratio 5e-5, no KL control, float32 weights
                      (experiments/smollm2/tune's best LoGRA)
   logra-layer-bf16   the same with optimizer.weight_dtype = "bfloat16" (stochastic-rounding merges)
