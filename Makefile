@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # pip compiles every installed .py file on one core (about half of the install's time); --no-compile and then
 # compileall over both cores gives the same .pyc files (108 s → 76 s here). Like pip, a file that does not compile
 # (torch ships one in Python 3.12 syntax) is left alone, hence `|| true`. Skipped: the packages' own test folders
-# and transformers' 560 model folders (the tests load seven); Python writes the .pyc of whatever else a process
+# and transformers' 559 model folders (the tests load seven); Python writes the .pyc of whatever else a process
 # imports the first time, because the recipes run without PYTHONDONTWRITEBYTECODE (set on some machines, this one
 # included: every process would otherwise compile its imports from source).
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile

@@ -241,6 +241,9 @@ def _bf16_learning() -> Iterator[Quote]:
                  bf16.after, bf16.std, f32.after, f32.std)
     yield from q(REPORT, "(held-out {:.3f} ± {:.3f} vs {:.3f} ± {:.3f} with float32 weights, 3 seeds)",
                  bf16.after, bf16.std, f32.after, f32.std)
+
+
+def _bf16_smollm2() -> Iterator[Quote]:
     path = "experiments/memory/bf16_smollm2/results.json"
     q, runs, stats = _quoter(path), _sweep(path), _json(path)["updates"]
     bf16, f32 = runs["logra-layer-bf16"], runs["logra-layer-f32"]
@@ -323,8 +326,8 @@ def _fits() -> Iterator[Quote]:
 
     q = _quoter("experiments/memory/fits.json")
     docs = tuple(str(path.relative_to(ROOT)) for path in fits.BLOCK_FILES)
-    for r in fits.load_rows():
-        template, values = fits.row_template(r)
+    rows = fits.load_rows()
+    for template, values in [fits.row_template(r) for r in rows] + [fits.tally_template(rows)]:
         yield from q(docs, template, *values)
 
 
@@ -698,6 +701,7 @@ def _vllm() -> Iterator[Quote]:
 
 def quotes() -> list[Quote]:
     """Every registered quote, with its figures computed from today's results files."""
-    sources = (_memory, _memory_targets, _bf16_learning, _step_cost, _whole_job, _fits, _dropin, _rollout_plans,
-               _parity, _momentum, _smollm2, _ablations, _kl, _sync, _sketch_native, _multihost, _paper_claims, _vllm)
+    sources = (_memory, _memory_targets, _bf16_learning, _bf16_smollm2, _step_cost, _whole_job, _fits, _dropin,
+               _rollout_plans, _parity, _momentum, _smollm2, _ablations, _kl, _sync, _sketch_native, _multihost,
+               _paper_claims, _vllm)
     return [quote for source in sources for quote in source()]

@@ -9,8 +9,9 @@ optimizer (whole_job.py's plan_cell: one process per plan, .venv-tpu for TPU tar
 LoGRA sketch-native with its predicted-KL probe (the config as it is: bfloat16 weights, one response per device per
 microbatch, 32 rollout slots, full remat), AdamW on every weight and AdamW on LoGRA's targets (the same
 microbatches, slots and remat; float32 weights, since bfloat16 storage needs LoGRA's stochastic merges). Writes
-fits_cells/*.json (one plan each), fits.json (every cell), fits.md (the table), and rewrites the table between the
-markers in README.md and experiments/REPORT.md (tests/experiments/test_fits_table.py checks they match fits.json).
+fits_cells/*.json (one plan each), fits.json (every cell), fits.md (the table), and rewrites the table and its tally
+(in how many placements each optimizer fits) between the markers in README.md and experiments/REPORT.md
+(tests/experiments/test_fits_table.py checks they match fits.json).
 """
 
 from __future__ import annotations
@@ -84,9 +85,18 @@ def ordered(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=key)
 
 
+def tally_template(rows: list[dict]) -> tuple[str, tuple[int, ...]]:
+    """The line under the table: in how many of the placements planned each optimizer fits, as a template with its
+    counts as format fields (registered like row_template's lines)."""
+    placements = {(r["variant"], r["target"]) for r in rows}
+    fit = {o: sum(r["fits"] for r in rows if r["optimizer"] == o) for o in ("logra_kl", "adamw_targets", "adamw")}
+    return ("Of the {:d} placements planned, LoGRA + KL fits {:d}, AdamW-targets {:d} and AdamW {:d}.",
+            (len(placements), fit["logra_kl"], fit["adamw_targets"], fit["adamw"]))
+
+
 def block(rows: list[dict]) -> str:
     """The generated block (markers included) that README.md and experiments/REPORT.md carry."""
-    return f"{BEGIN}\n{table(rows)}\n{END}"
+    return f"{BEGIN}\n{table(rows)}\n\n{_render(*tally_template(rows))}\n{END}"
 
 
 def replace_block(text: str, new_block: str, where: str = "") -> str:

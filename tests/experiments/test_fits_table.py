@@ -24,3 +24,11 @@ def test_the_block_is_generated_from_fits_json(path):
 def test_replace_block_names_a_file_without_markers():
     with pytest.raises(ValueError, match=r"README\.md: no"):
         fits.replace_block("no block here", "x", "README.md")
+
+
+def test_tally_counts_placements_and_each_optimizers_fits():
+    rows = [{"variant": v, "target": t, "optimizer": o, "fits": f} for v, t, o, f in [
+        ("7b", "h100:1", "logra_kl", True), ("7b", "h100:1", "adamw", True), ("7b", "h100:1", "adamw_targets", False),
+        ("72b", "h100:8", "logra_kl", True), ("72b", "h100:8", "adamw", False)]]
+    assert fits._render(*fits.tally_template(rows)) == (
+        "Of the 2 placements planned, LoGRA + KL fits 2, AdamW-targets 0 and AdamW 1.")
