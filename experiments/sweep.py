@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import runpy
@@ -264,6 +265,22 @@ def table(results: Mapping[str, Any]) -> str:
 def largest_drop(evaluations: Sequence[float]) -> float:
     """The largest fall of held-out accuracy between consecutive evaluations (0 when it never falls)."""
     return max([0.0, *(a - b for a, b in itertools.pairwise(evaluations))])
+
+
+def paired(diffs: Sequence[float], level: float = 0.95, *, names: tuple[str, str] = ("A", "B")) -> dict[str, Any]:
+    """Paired per-seed differences A − B (`names`: A's and B's): mean, sample std, the two-sided Student-t interval
+    of the mean at `level`, and the verdict it supports: "level" when the interval holds 0, else "<A> higher" or
+    "<A> lower" (none from one seed)."""
+    import scipy.stats
+
+    n, mean = len(diffs), statistics.fmean(diffs)
+    std = statistics.stdev(diffs) if n > 1 else 0.0
+    half = float(scipy.stats.t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n) if n > 1 else math.inf
+    low, high = mean - half, mean + half
+    verdict = ("undecided (one seed)" if n < 2 else "level" if low <= 0 <= high else
+               f"{names[0]} higher" if low > 0 else f"{names[0]} lower")
+    return {"per_seed": list(diffs), "mean": mean, "std": std, "interval": [low, high], "level": level,
+            "names": list(names), "verdict": verdict}
 
 
 def plot_curves(out_dir: Path, variants: Mapping[str, Overrides], seeds: Sequence[int], title: str, *,

@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import scipy.stats
-
 from experiments.smollm2.parity import COMMON, CONFIG
-from experiments.sweep import load_config, run_dir, run_sweep
+from experiments.sweep import load_config, paired, run_dir, run_sweep
 from experiments.sweep import table as sweep_table
 
 OUT = Path(__file__).parent / "bf16_smollm2"
@@ -150,22 +147,8 @@ def summary(results: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
     f32, bf16 = (results["variants"][n]["seeds"] for n in CONTENDERS)
     diffs = {key: [b[key] - f[key] for f, b in zip(f32, bf16, strict=True)]
              for key in ("accuracy_after", "final_reward")}
-    out["paired_bf16_minus_f32"] = {k: paired(d) for k, d in diffs.items()}
+    out["paired_bf16_minus_f32"] = {k: paired(d, names=("bfloat16", "float32")) for k, d in diffs.items()}
     return out
-
-
-def paired(diffs: list[float], level: float = 0.95) -> dict[str, Any]:
-    """Paired per-seed differences (bf16 − f32): mean, sample std, the two-sided Student-t interval of the mean at
-    `level`, and the verdict it supports: "level" when the interval holds 0, else which storage ended higher
-    (none from one seed)."""
-    n, mean = len(diffs), statistics.fmean(diffs)
-    std = statistics.stdev(diffs) if n > 1 else 0.0
-    half = float(scipy.stats.t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n) if n > 1 else math.inf
-    low, high = mean - half, mean + half
-    verdict = ("undecided (one seed)" if n < 2 else "level" if low <= 0 <= high else
-               "bfloat16 higher" if low > 0 else "bfloat16 lower")
-    return {"per_seed": diffs, "mean": mean, "std": std, "interval": [low, high], "level": level,
-            "verdict": verdict}
 
 
 def markdown(results: dict[str, Any], stats: dict[str, Any]) -> str:
@@ -178,15 +161,15 @@ def markdown(results: dict[str, Any], stats: dict[str, Any]) -> str:
             lines.append(f"| {name} | {s['seed']} | {points[s['seed']]['accuracy_after']:.3f} | "
                          f"{s['share_below_half_spacing']:.4f} | {s['share_below_one_spacing']:.4f} | "
                          f"{s['share_changed']:.4f} | {s['realised_rel_error']:.3f} |")
-    paired = stats["paired_bf16_minus_f32"]
+    diff = stats["paired_bf16_minus_f32"]
     lines += ["", "Paired bf16 − f32 (per seed; mean ± std): held-out accuracy "
-              + ", ".join(f"{d:+.3f}" for d in paired["accuracy_after"]["per_seed"])
-              + f" ({paired['accuracy_after']['mean']:+.3f} ± {paired['accuracy_after']['std']:.3f}); final reward "
-              + ", ".join(f"{d:+.3f}" for d in paired["final_reward"]["per_seed"])
-              + f" ({paired['final_reward']['mean']:+.3f} ± {paired['final_reward']['std']:.3f}).", "",
+              + ", ".join(f"{d:+.3f}" for d in diff["accuracy_after"]["per_seed"])
+              + f" ({diff['accuracy_after']['mean']:+.3f} ± {diff['accuracy_after']['std']:.3f}); final reward "
+              + ", ".join(f"{d:+.3f}" for d in diff["final_reward"]["per_seed"])
+              + f" ({diff['final_reward']['mean']:+.3f} ± {diff['final_reward']['std']:.3f}).", "",
               "Verdict (held-out accuracy, {:.0%} Student-t interval of the paired mean {:+.3f} … {:+.3f}): {}.".format(
-                  paired["accuracy_after"]["level"], *paired["accuracy_after"]["interval"],
-                  paired["accuracy_after"]["verdict"])]
+                  diff["accuracy_after"]["level"], *diff["accuracy_after"]["interval"],
+                  diff["accuracy_after"]["verdict"])]
     return "\n".join(lines)
 
 

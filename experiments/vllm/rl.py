@@ -119,6 +119,8 @@ def report(runs_dir: Path = RUNS, out: Path = HERE) -> dict[str, Any]:
     """out/rl.json (every finished run's per-step series and summaries), rl.md (tables) and rl.png."""
     from experiments.sweep import largest_drop
 
+    # a run whose folder is gone (runs/ is git-ignored and not kept) keeps the series an earlier report recorded
+    recorded = json.loads((out / "rl.json").read_text())["runs"] if (out / "rl.json").exists() else {}
     runs: dict[str, dict[str, Any]] = {}
     for workdir in sorted(runs_dir.glob("*-seed*")):
         if not (workdir / "metrics.jsonl").exists():
@@ -135,8 +137,9 @@ def report(runs_dir: Path = RUNS, out: Path = HERE) -> dict[str, Any]:
         if (workdir / "sync.jsonl").exists():
             run_["syncs"] = _lines(workdir / "sync.jsonl")
         runs[workdir.name] = run_
+    runs = dict(sorted({**recorded, **runs}.items()))
     record = {"command": "python -m experiments.vllm.rl --engine {jax,vllm} --seed K; python -m experiments.vllm.rl "
-                      "--report", "runs": runs,
+                      "--report", "runs": runs, "paired_vllm_minus_jax": paired_runs(runs),
               "overrides": {e: overrides(e, vllm_python=".venv-vllm/bin/python") for e in ENGINES}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "rl.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -145,6 +148,20 @@ def report(runs_dir: Path = RUNS, out: Path = HERE) -> dict[str, Any]:
     _plot(runs, out / "rl.png")
     print(text)
     return record
+
+
+def paired_runs(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """vLLM − ours per seed where both runs finished: held-out accuracy after RL and the mean reward of the last 10
+    steps, each with experiments.sweep.paired's Student-t interval and verdict."""
+    from experiments.sweep import paired
+
+    seeds = sorted(int(name.rsplit("seed", 1)[1]) for name, r in runs.items() if name.startswith("vllm-")
+                   and r["summary"] and (runs.get(f"jax-seed{name.rsplit('seed', 1)[1]}") or {}).get("summary"))
+    last_reward = lambda r: statistics.fmean(x["reward_mean"] for x in r["steps"][-10:])
+    pairs = [(runs[f"vllm-seed{k}"], runs[f"jax-seed{k}"]) for k in seeds]
+    return {"seeds": seeds, **{key: paired([f(v) - f(j) for v, j in pairs], names=("vLLM", "ours")) if pairs else None
+                               for key, f in (("accuracy_after", lambda r: r["summary"]["accuracy_after"]),
+                                              ("final_reward", last_reward))}}
 
 
 def _median(values: list[float]) -> float:
@@ -175,6 +192,15 @@ def _tables(runs: dict[str, dict[str, Any]]) -> str:
                      f"{_median([x['tis_weight'] for x in steps]):.4f} | {int(steps[-1]['sync_resyncs'])} | "
                      f"{_median([x['rollout_time'] for x in steps]):.1f} | {_median(rate):.0f} | "
                      f"{_median(step_time):.1f} |")
+    diff = paired_runs(runs)
+    if diff["seeds"]:
+        acc, reward = diff["accuracy_after"], diff["final_reward"]
+        lines += ["", f"Paired vLLM − ours over seeds {', '.join(map(str, diff['seeds']))}: held-out accuracy after RL "
+                  + ", ".join(f"{d:+.3f}" for d in acc["per_seed"]) + f" (mean {acc['mean']:+.3f} ± {acc['std']:.3f}, "
+                  f"{acc['level']:.0%} Student-t interval {acc['interval'][0]:+.3f} … {acc['interval'][1]:+.3f}: "
+                  f"{acc['verdict']}); mean reward of the last 10 steps "
+                  + ", ".join(f"{d:+.3f}" for d in reward["per_seed"]) + f" (mean {reward['mean']:+.3f}, interval "
+                  f"{reward['interval'][0]:+.3f} … {reward['interval'][1]:+.3f}: {reward['verdict']})."]
     for name, r in runs.items():
         if "syncs" not in r:
             continue
@@ -233,7 +259,8 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     axes[3].set(xlabel="publication", ylabel="seconds")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # the sync panel is empty without a vLLM run
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
