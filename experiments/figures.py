@@ -673,30 +673,50 @@ def _paper_claims() -> Iterator[Quote]:
 
 def _vllm() -> Iterator[Quote]:
     q = _quoter("experiments/vllm/{rl,throughput}.json")
-    runs = _json("experiments/vllm/rl.json")["runs"]
-    ours, theirs = runs["jax-seed0"], runs["vllm-seed0"]
-    deltas = [x for x in theirs["syncs"] if x["kind"] == "publish"]
-    boot = next(x for x in theirs["syncs"] if x["kind"] == "bootstrap")
+    record = _json("experiments/vllm/rl.json")
+    runs = record["runs"]
+    def sync(name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # a vLLM run's publications, bootstrap
+        syncs = runs[name]["syncs"]
+        return [x for x in syncs if x["kind"] == "publish"], next(x for x in syncs if x["kind"] == "bootstrap")
+
+    (deltas, boot), (busy, busy_boot) = sync("vllm-seed2"), sync("vllm-seed0")  # seed 2's ran alone
     full = boot["full_weight_bytes"]["float32"]
     delta_bytes = statistics.median(x["bytes"] for x in deltas)
-    mismatch = lambda r: statistics.median(x["rollout_mismatch"] for x in r["steps"])
     yield from q(README, "low-rank sync of SmolLM2-135M (rank 64) ships {:.1f} MB, {:.1%} of its float32 weights "
-                         "({:.0f} MB), in {:.1f} s (median of {:.0f}; vLLM's reload {:.1f} s and the merge of U·A "
-                         "{:.1f} s of it), against {:.1f} s for the full float32 snapshot",
+                         "({:.0f} MB), in {:.1f} s (median of {:.0f}, the run alone on the machine; vLLM's reload "
+                         "{:.1f} s and the merge of U·A {:.1f} s of it), against {:.1f} s for the full float32 "
+                         "snapshot ({:.1f} against {:.1f} s on a busy machine)",
                  delta_bytes / 1e6, delta_bytes / full, full / 1e6, statistics.median(x["seconds"] for x in deltas),
                  len(deltas), statistics.median(x["engine_seconds"]["reload"] for x in deltas),
-                 statistics.median(x["engine_seconds"]["apply"] for x in deltas), boot["seconds"])
-    yield from q(README, "the largest |W_vllm − W_trainer| after any of the {:.0f} publications was {:g}, with "
-                         "{:.0f} resyncs", len(deltas), max(x["drift_max"] for x in deltas), deltas[-1]["resyncs"])
-    yield from q(README, "mismatch the TIS cap sees (`rollout_mismatch`, median over steps) was {:.1e} "
-                         "with vLLM and {:.1e} with ours", mismatch(theirs), mismatch(ours))
-    yield from q(README, "accuracy went {:.3f} → {:.3f} with vLLM rollouts and {:.3f} → {:.3f} with ours",
-                 theirs["summary"]["accuracy_before"], theirs["summary"]["accuracy_after"],
-                 ours["summary"]["accuracy_before"], ours["summary"]["accuracy_after"])
+                 statistics.median(x["engine_seconds"]["apply"] for x in deltas), boot["seconds"],
+                 statistics.median(x["seconds"] for x in busy), busy_boot["seconds"])
+    diff = record["paired_vllm_minus_jax"]
+    seeds = diff["seeds"]
+    vllm_runs = [runs[f"vllm-seed{k}"] for k in seeds]
+    jax_runs = [runs[f"jax-seed{k}"] for k in seeds]
+    published = [x for r in vllm_runs for x in r["syncs"] if x["kind"] == "publish"]
+    yield from q(BOTH, "the largest |W_vllm − W_trainer| after any of the {:.0f} publications of the {:.0f} vLLM "
+                       "runs was {:g}, with {:.0f} resyncs", len(published), len(vllm_runs),
+                 max(x["drift_max"] for x in published), sum(r["syncs"][-1]["resyncs"] for r in vllm_runs))
+    mismatch = lambda rs: statistics.median(x["rollout_mismatch"] for r in rs for x in r["steps"])
+    yield from q(README, "mismatch the TIS cap sees (`rollout_mismatch`, median over the steps of {:.0f} runs each) "
+                         "was {:.1e} with vLLM and {:.1e} with ours", len(seeds), mismatch(vllm_runs),
+                 mismatch(jax_runs))
+    acc = diff["accuracy_after"]
+    after = lambda rs: [r["summary"]["accuracy_after"] for r in rs]
+    level = acc["mean"] if acc["verdict"] == "level" else math.nan  # the text says level
+    yield from q(BOTH, "held-out accuracy after 40 RL steps from the same warm starts was {:.3f} ± {:.3f} with vLLM "
+                       "rollouts and {:.3f} ± {:.3f} with ours ({:.0f} seeds); paired per seed, vLLM − ours is "
+                       "{:+.3f} ± {:.3f}, {:.0%} Student-t interval {:+.3f} … {:+.3f}: level",
+                 statistics.fmean(after(vllm_runs)), statistics.stdev(after(vllm_runs)),
+                 statistics.fmean(after(jax_runs)), statistics.stdev(after(jax_runs)), len(seeds), level, acc["std"],
+                 acc["level"], *acc["interval"])
     rates = {(r["case"], r["impl"]): r["tokens_per_s"] for r in _json("experiments/vllm/throughput.json")["results"]}
     yield from q(README, "build decoded {:.1f} response tokens/s against our engine's {:.1f} on 32 prompts × 128 "
-                         "tokens, and {:.1f} against {:.1f} with RL-like lengths", rates[("smollm2-fixed", "vllm")],
-                 rates[("smollm2-fixed", "ours")], rates[("smollm2-spread", "vllm")], rates[("smollm2-spread", "ours")])
+                         "tokens, and {:.1f} against {:.1f} with RL-like lengths: vLLM is {:.1f}× and {:.1f}× faster",
+                 rates[("smollm2-fixed", "vllm")], rates[("smollm2-fixed", "ours")], rates[("smollm2-spread", "vllm")],
+                 rates[("smollm2-spread", "ours")], rates[("smollm2-fixed", "vllm")] / rates[("smollm2-fixed", "ours")],
+                 rates[("smollm2-spread", "vllm")] / rates[("smollm2-spread", "ours")])
 
 
 def quotes() -> list[Quote]:

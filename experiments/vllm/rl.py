@@ -246,17 +246,25 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
                          label=f"{name}: exact, absolute")
             axes[2].set_yscale("symlog", linthresh=1e-9)  # zero (bit for bit) stays on the plot
             axes[2].set_ylim(bottom=0)
-            wire = [x["seconds"] - x["build_seconds"] - sum(x["engine_seconds"].values()) for x in d]
-            parts = {"trainer build": [x["build_seconds"] for x in d], "wire": wire,
-                     "engine check + merge": [x["engine_seconds"]["check"] + x["engine_seconds"]["apply"] for x in d],
-                     "vLLM reload": [x["engine_seconds"].get("reload", 0.0) for x in d]}
-            axes[3].stackplot([x["version"] for x in d], *parts.values(), labels=list(parts))
-            axes[3].set_title(f"sync to vLLM, {name} (s per publication)")
+    # the sync's time split, median over each vLLM run's publications: one stacked bar per run, the full snapshot
+    # (the bootstrap) as a marker beside it
+    synced = [(name, r["syncs"]) for name, r in runs.items() if "syncs" in r]
+    bottom = [0.0] * len(synced)
+    for label, part in (("trainer build", lambda x: x["build_seconds"]), ("wire", _SPLIT[3]),
+                        ("engine check + merge", lambda x: _SPLIT[4](x) + _SPLIT[5](x)), ("vLLM reload", _SPLIT[6])):
+        heights = [_median([part(x) for x in syncs if x["kind"] == "publish"]) for _, syncs in synced]
+        axes[3].bar(range(len(synced)), heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    axes[3].plot(range(len(synced)), [_median([x["seconds"] for x in syncs if x["kind"] == "bootstrap"])
+                                      for _, syncs in synced], "k_", markersize=30, mew=2,
+                 label="full float32 snapshot (total)")
+    axes[3].set_xticks(range(len(synced)), [name for name, _ in synced])
+    axes[3].set_title("sync to vLLM: low-rank delta, median s per publication")
     axes[0].set(xlabel="RL step", ylabel="held-out greedy accuracy",
                 title="held-out accuracy (vLLM solid, ours dashed)")
     axes[1].set(xlabel="RL step", ylabel="rollout_mismatch", title="log-prob mismatch the TIS cap sees (0 at 1e-12)")
     axes[2].set(xlabel="publication", ylabel="max |W_vllm − W_trainer|", title="drift of vLLM's masters (exact)")
-    axes[3].set(xlabel="publication", ylabel="seconds")
+    axes[3].set(xlabel="vLLM run", ylabel="seconds")
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # the sync panel is empty without a vLLM run
