@@ -259,7 +259,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
                                       for _, syncs in synced], "k_", markersize=30, mew=2,
                  label="full float32 snapshot (total)")
     axes[3].set_xticks(range(len(synced)), [name for name, _ in synced])
-    axes[3].set_title("sync to vLLM: low-rank delta, median s per publication")
+    axes[3].set_title("sync to vLLM, median s (bars: low-rank delta)")
     axes[0].set(xlabel="RL step", ylabel="held-out greedy accuracy",
                 title="held-out accuracy (vLLM solid, ours dashed)")
     axes[1].set(xlabel="RL step", ylabel="rollout_mismatch", title="log-prob mismatch the TIS cap sees (0 at 1e-12)")
