@@ -243,14 +243,18 @@ def _bf16_learning() -> Iterator[Quote]:
                  bf16.after, bf16.std, f32.after, f32.std)
 
 
+def _if_level(diff: dict[str, Any], value: float) -> float:
+    """`value` while a paired verdict (experiments.sweep.paired) is "level", NaN otherwise: for a text that says
+    level, so that it fails once the verdict changes."""
+    return value if diff["verdict"] == "level" else math.nan
+
+
 def _bf16_smollm2() -> Iterator[Quote]:
     path = "experiments/memory/bf16_smollm2/results.json"
     q, runs, stats = _quoter(path), _sweep(path), _json(path)["updates"]
     bf16, f32 = runs["logra-layer-bf16"], runs["logra-layer-f32"]
     diff = stats["paired_bf16_minus_f32"]["accuracy_after"]
-    below = statistics.median(s["share_below_half_spacing"] for s in stats["logra-layer-bf16"])
-    if diff["verdict"] != "level":
-        below = math.nan  # the text says level
+    below = _if_level(diff, statistics.median(s["share_below_half_spacing"] for s in stats["logra-layer-bf16"]))
     yield from q(BOTH, "and on SmolLM2-135M at its tuned per-layer ratio 5e-5, where {:.1%} of each step's entries are "
                        "below half a bfloat16 spacing: {:.3f} ± {:.3f} vs {:.3f} ± {:.3f} held-out after 20 RL steps, "
                        "level (paired difference {:+.3f}, {:.0%} interval {:+.3f} … {:+.3f}, 3 seeds)",
@@ -675,6 +679,7 @@ def _vllm() -> Iterator[Quote]:
     q = _quoter("experiments/vllm/{rl,throughput}.json")
     record = _json("experiments/vllm/rl.json")
     runs = record["runs"]
+
     def sync(name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # a vLLM run's publications, bootstrap
         syncs = runs[name]["syncs"]
         return [x for x in syncs if x["kind"] == "publish"], next(x for x in syncs if x["kind"] == "bootstrap")
@@ -704,13 +709,12 @@ def _vllm() -> Iterator[Quote]:
                  mismatch(jax_runs))
     acc = diff["accuracy_after"]
     after = lambda rs: [r["summary"]["accuracy_after"] for r in rs]
-    level = acc["mean"] if acc["verdict"] == "level" else math.nan  # the text says level
     yield from q(BOTH, "held-out accuracy after 40 RL steps from the same warm starts was {:.3f} ± {:.3f} with vLLM "
                        "rollouts and {:.3f} ± {:.3f} with ours ({:.0f} seeds); paired per seed, vLLM − ours is "
                        "{:+.3f} ± {:.3f}, {:.0%} Student-t interval {:+.3f} … {:+.3f}: level",
                  statistics.fmean(after(vllm_runs)), statistics.stdev(after(vllm_runs)),
-                 statistics.fmean(after(jax_runs)), statistics.stdev(after(jax_runs)), len(seeds), level, acc["std"],
-                 acc["level"], *acc["interval"])
+                 statistics.fmean(after(jax_runs)), statistics.stdev(after(jax_runs)), len(seeds),
+                 _if_level(acc, acc["mean"]), acc["std"], acc["level"], *acc["interval"])
     rates = {(r["case"], r["impl"]): r["tokens_per_s"] for r in _json("experiments/vllm/throughput.json")["results"]}
     yield from q(README, "build decoded {:.1f} response tokens/s against our engine's {:.1f} on 32 prompts × 128 "
                          "tokens, and {:.1f} against {:.1f} with RL-like lengths: vLLM is {:.1f}× and {:.1f}× faster",

@@ -2,8 +2,8 @@ r"""SmolLM2-135M RL with vLLM rollouts against our engine, and what the low-rank
 
 One run per call, in this process (JAX on one CPU device; vLLM's CPU build in its own process from .venv-vllm):
 
-  nice -n 10 python -m experiments.vllm.rl --engine vllm --seed 0    # ~50 min here (SFT warm start ~16 of them)
-  nice -n 10 python -m experiments.vllm.rl --engine jax --seed 0     # ~20 min (warm start cached by then)
+  nice -n 10 python -m experiments.vllm.rl --engine vllm --seed 0    # 22 min alone, 55 beside another run
+  nice -n 10 python -m experiments.vllm.rl --engine jax --seed 0     # 23 min beside another run (warm start cached)
   python -m experiments.vllm.rl --report                             # rl.{json,md,png} from the finished runs
 
 Setup: experiments/smollm2/tune's best LoGRA (logra-layer, per-layer update ratio 5e-5, rank 64, sketch-native, no
@@ -139,11 +139,11 @@ def report(runs_dir: Path = RUNS, out: Path = HERE) -> dict[str, Any]:
         runs[workdir.name] = run_
     runs = dict(sorted({**recorded, **runs}.items()))
     record = {"command": "python -m experiments.vllm.rl --engine {jax,vllm} --seed K; python -m experiments.vllm.rl "
-                      "--report", "runs": runs, "paired_vllm_minus_jax": paired_runs(runs),
+                      "--report", "runs": runs, "paired_vllm_minus_jax": (diff := paired_runs(runs)),
               "overrides": {e: overrides(e, vllm_python=".venv-vllm/bin/python") for e in ENGINES}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "rl.json").write_text(json.dumps(record, indent=1) + "\n")
-    text = _tables(runs)
+    text = _tables(runs, diff)
     (out / "rl.md").write_text(text + "\n")
     _plot(runs, out / "rl.png")
     print(text)
@@ -155,8 +155,9 @@ def paired_runs(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     steps, each with experiments.sweep.paired's Student-t interval and verdict."""
     from experiments.sweep import paired
 
-    seeds = sorted(int(name.rsplit("seed", 1)[1]) for name, r in runs.items() if name.startswith("vllm-")
-                   and r["summary"] and (runs.get(f"jax-seed{name.rsplit('seed', 1)[1]}") or {}).get("summary"))
+    finished = lambda name: bool((runs.get(name) or {}).get("summary"))
+    seeds = sorted(k for k in {int(name.rsplit("seed", 1)[1]) for name in runs}
+                   if all(finished(f"{engine}-seed{k}") for engine in ENGINES))
     last_reward = lambda r: statistics.fmean(x["reward_mean"] for x in r["steps"][-10:])
     pairs = [(runs[f"vllm-seed{k}"], runs[f"jax-seed{k}"]) for k in seeds]
     return {"seeds": seeds, **{key: paired([f(v) - f(j) for v, j in pairs], names=("vLLM", "ours")) if pairs else None
@@ -174,7 +175,7 @@ _SPLIT = (lambda x: x["bytes"], lambda x: x["seconds"], lambda x: x["build_secon
           lambda x: x["engine_seconds"].get("reload", 0.0))
 
 
-def _tables(runs: dict[str, dict[str, Any]]) -> str:
+def _tables(runs: dict[str, dict[str, Any]], diff: dict[str, Any]) -> str:
     lines = ["| run | steps | held-out before | after | every 10 steps | largest drop | rollout_mismatch (median, max) "
              "| tis_weight (median) | resyncs | rollout phase (s, median) | response tokens/s in it | step time (s, "
              "median, without the drift fetch) |", "|---" * 12 + "|"]
@@ -192,7 +193,6 @@ def _tables(runs: dict[str, dict[str, Any]]) -> str:
                      f"{_median([x['tis_weight'] for x in steps]):.4f} | {int(steps[-1]['sync_resyncs'])} | "
                      f"{_median([x['rollout_time'] for x in steps]):.1f} | {_median(rate):.0f} | "
                      f"{_median(step_time):.1f} |")
-    diff = paired_runs(runs)
     if diff["seeds"]:
         acc, reward = diff["accuracy_after"], diff["final_reward"]
         lines += ["", f"Paired vLLM − ours over seeds {', '.join(map(str, diff['seeds']))}: held-out accuracy after RL "
@@ -250,7 +250,7 @@ def _plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     # (the bootstrap) as a marker beside it
     synced = [(name, r["syncs"]) for name, r in runs.items() if "syncs" in r]
     bottom = [0.0] * len(synced)
-    for label, part in (("trainer build", lambda x: x["build_seconds"]), ("wire", _SPLIT[3]),
+    for label, part in (("trainer build", _SPLIT[2]), ("wire", _SPLIT[3]),
                         ("engine check + merge", lambda x: _SPLIT[4](x) + _SPLIT[5](x)), ("vLLM reload", _SPLIT[6])):
         heights = [_median([part(x) for x in syncs if x["kind"] == "publish"]) for _, syncs in synced]
         axes[3].bar(range(len(synced)), heights, bottom=bottom, label=label)
