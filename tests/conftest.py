@@ -1,6 +1,6 @@
 """Test session set-up: 8 fake CPU devices before JAX starts, fp32 matmuls at full precision, the CPU backend's
-code generation at LLVM -O0, and a persistent compilation cache for the session, off unless a test folder turns it
-on (tests/train/conftest.py).
+code generation at LLVM -O0 without threads of its own (`SERIAL_CPU`), and a persistent compilation cache for the
+session, off unless a test folder turns it on (tests/train/conftest.py).
 
 The cheap code generation is `logra_jax.sharding.FAST_CPU_COMPILE` as XLA_FLAGS (each flag unless XLA_FLAGS
 already sets it): XLA's HLO passes (fusion, layout, scheduling) run as always; LLVM does not optimise the generated
@@ -36,11 +36,19 @@ import jax  # after the JAX_* variables, which jax reads at import
 
 from logra_jax.sharding import FAST_CPU_COMPILE, xla_flags
 
+# XLA:CPU without threads of its own: make test runs three workers on two cores, so a compile's parallel code
+# generation (the module split in parts, compiled on a thread pool) and Eigen's intra-op thread pool only add
+# hand-offs and duplicated work. Two compile-heavy tests alone, pairs back to back: 73 → 64 and 38 → 34 s of CPU.
+SERIAL_CPU = {"xla_cpu_parallel_codegen_split_count": 1, "xla_cpu_multi_thread_eigen": False}
+# Every process of the session compiles with these (tests compare programs across processes bit for bit): the
+# tests that start a job with its own XLA_FLAGS (a device count of its own) pass LOGRA_TEST_XLA_FLAGS on.
+os.environ["LOGRA_TEST_XLA_FLAGS"] = xla_flags({**FAST_CPU_COMPILE, **SERIAL_CPU})
+
 # XLA reads XLA_FLAGS when the first backend starts, after this. xdist workers and job subprocesses inherit the
 # controller's flags; a flag XLA_FLAGS already sets is kept.
 _flags = os.environ.get("XLA_FLAGS", "")
-_fast = {name: value for name, value in FAST_CPU_COMPILE.items() if f"--{name}=" not in _flags}
-os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8 {xla_flags(_fast)}".strip()
+_test = {name: value for name, value in {**FAST_CPU_COMPILE, **SERIAL_CPU}.items() if f"--{name}=" not in _flags}
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8 {xla_flags(_test)}".strip()
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

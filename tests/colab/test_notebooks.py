@@ -4,7 +4,6 @@ Each notebook is executed by nbclient in a fresh kernel of this interpreter; a f
 the cell's source and traceback. The notebooks are committed without outputs.
 """
 
-import os
 import re
 import subprocess
 import sys
@@ -14,8 +13,6 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
-
-from logra_jax.sharding import xla_flags
 
 COLAB = Path(__file__).resolve().parents[2] / "colab"
 # Seconds a single cell may run before its notebook fails: a guard against hangs, several times the smoke runs.
@@ -52,9 +49,8 @@ def test_notebook_is_committed_clean(name: str):
 @pytest.mark.parametrize("name", sorted(CELL_TIMEOUT_S))
 @pytest.mark.slow
 def test_notebook_runs(name: str, jupyter_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    # The kernel inherits this environment: the fake CPU devices of conftest.py, plus cheaper XLA:CPU code
-    # generation (the compiled programs run a few steps; compile time dominates).
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {xla_flags()}".strip())
+    # The kernel inherits this environment: the fake CPU devices and the cheaper XLA:CPU code generation of
+    # conftest.py (the compiled programs run a few steps; compile time dominates).
     monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
     monkeypatch.setenv(SMOKE_SWITCH, "1")
     monkeypatch.setenv("LOGRA_DEMO_WORKDIR", str(tmp_path / "demo"))

@@ -26,8 +26,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from logra_jax.sharding import FAST_CPU_COMPILE, xla_flags
-
 # every test of the module on one xdist worker (make test's --dist loadgroup), so that its session-scoped fixtures
 # are built once
 pytestmark = [pytest.mark.xdist_group("multihost_main"), pytest.mark.slow]
@@ -49,8 +47,6 @@ OVERRIDES = ("--config.train.mesh_data=2", "--config.train.mesh_fsdp=4", f"--con
 # Metrics that measure the machine, not the run.
 MACHINE = ("time", "rss", "bytes_in_use", "peak", "sync_bytes")
 TIMEOUT_S = 240
-# Every run of this module compiles with these (the comparisons are between runs that all do): CI time.
-FAST_COMPILE = xla_flags(FAST_CPU_COMPILE)
 _CACHE = Path("/nonexistent")  # the module's compilation cache directory (set by the `jit_cache` fixture)
 
 
@@ -67,7 +63,9 @@ def _command(workdir: Path, cache: Path, extra: tuple[str, ...] = ()) -> list[st
 
 def _env(devices: int, process: tuple[int, int, int] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}", JAX_PLATFORMS="cpu",
+    # every run of this module compiles with the session's flags (the comparisons are between runs that all do)
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {os.environ['LOGRA_TEST_XLA_FLAGS']}",
+               JAX_PLATFORMS="cpu",
                # later runs load the executables the first ones compiled (the same programs): CI time
                JAX_COMPILATION_CACHE_DIR=str(_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -22,7 +22,7 @@ from flax import nnx
 from logra_jax import models
 from logra_jax.models.hf import SafetensorsFile, build_model
 from logra_jax.rollout.engine import decode_config, weight_bytes
-from logra_jax.sharding import MeshConfig, make_mesh, xla_flags
+from logra_jax.sharding import MeshConfig, make_mesh
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,7 +126,8 @@ def test_two_processes_read_only_their_own_slices(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {xla_flags()}", JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {os.environ['LOGRA_TEST_XLA_FLAGS']}",
+               JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-c", _LOADER, f"127.0.0.1:{port}", str(i), str(tmp_path / "hf")],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
@@ -172,7 +173,8 @@ def test_every_phase_of_the_job_leaves_each_device_its_share(tmp_path):
                               sft={"steps": 2, "batch_size": 8}, rollout={"prompts_per_step": 8, "num_samples": 2})
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
     # cheap code generation, and the resumed run loads the programs the first one compiled (CI time)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {xla_flags()}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {os.environ['LOGRA_TEST_XLA_FLAGS']}",
+               JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jit_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     done = subprocess.run([sys.executable, "-c", _JOB, json.dumps(config), str(tmp_path / "run")], cwd=REPO,

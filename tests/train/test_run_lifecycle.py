@@ -20,7 +20,6 @@ import pytest
 import logra_jax.train as train_mod
 from logra_jax.checkpoint import CheckpointError
 from logra_jax.lifecycle import RESUME_FIXED, RunPreempted, config_changes, is_fixed
-from logra_jax.sharding import xla_flags
 from logra_jax.train import train_and_evaluate
 
 # every test of the module on one xdist worker (make test's --dist loadgroup), so that its session-scoped fixture is
@@ -44,7 +43,8 @@ def write_config(tiny_config, path: Path, **sections) -> Path:
 
 def env() -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=xla_flags())  # one device, cheap code generation
+    # one device, the session's code generation
+    out.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=os.environ["LOGRA_TEST_XLA_FLAGS"])
     return out
 
 
@@ -187,10 +187,13 @@ def _wait_for_log(workdir: Path, text: str, proc: subprocess.Popen, timeout: flo
         time.sleep(0.05)
 
 
-def test_sigterm_checkpoints_stops_and_resumes_exactly(tmp_path, tiny_config, read_metrics):
-    config = write_config(tiny_config, tmp_path / "c.py", train={"steps": STEPS, "checkpoint_every": 100})
-    train_and_evaluate(json.loads(json.dumps(tiny_config(train={"steps": STEPS, "checkpoint_every": 100}))),
-                       tmp_path / "straight")
+def test_sigterm_checkpoints_stops_and_resumes_exactly(tmp_path, tiny_config, read_metrics, finished_run):
+    """Preempted while its first RL step compiles, the run checkpoints the step it finishes, stops with SIGTERM's
+    status and resumes to the uninterrupted run's metrics: `finished_run`'s, the same 4 steps (checkpointing
+    changes no metric)."""
+    straight, _ = finished_run
+    steps = 4
+    config = write_config(tiny_config, tmp_path / "c.py", train={"steps": steps, "checkpoint_every": 100})
     workdir = tmp_path / "preempted"
     proc = subprocess.Popen(cli(config, workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env(), cwd=ROOT)
@@ -200,15 +203,15 @@ def test_sigterm_checkpoints_stops_and_resumes_exactly(tmp_path, tiny_config, re
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM" in last_line(err) and "resume" in last_line(err)
     saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert len(saved) == 1 and 1 <= saved[0] < STEPS  # the step it stopped after; checkpoint_every would not
+    assert len(saved) == 1 and 1 <= saved[0] < steps  # the step it stopped after; checkpoint_every would not
     assert "stopped: preempted" in stop_lines(workdir)[-1] and "SIGTERM" in stop_lines(workdir)[-1]
     assert not (workdir / "summary.json").exists()
 
     resumed = subprocess.run(cli(config, workdir), capture_output=True, text=True, env=env(), timeout=240, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert read_metrics(workdir) == read_metrics(tmp_path / "straight")
+    assert read_metrics(workdir) == read_metrics(straight)
     assert f"resumed from checkpoint step {saved[0]}" in (workdir / "log.txt").read_text()
-    assert "stopped: finished 6 steps" in stop_lines(workdir)[-1]
+    assert f"stopped: finished {steps} steps" in stop_lines(workdir)[-1]
 
 
 def test_ctrl_c_while_compiling_with_a_rollout_worker_stops_cleanly(tmp_path, tiny_config, read_metrics):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from logra_jax.sharding import xla_flags
-
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-if not PYTHON.is_file() or subprocess.run([str(PYTHON), "-c", "import vllm"], capture_output=True).returncode:
+# `make venv-vllm` writes its stamp after `import vllm` worked there (importing vllm to ask takes 6 s per
+# module and xdist worker)
+if not (PYTHON.is_file() and (PYTHON.parents[1] / ".installed-vllm").is_file()):
     pytest.skip("vLLM is not installed: run `make venv-vllm`", allow_module_level=True)
 
 # vLLM's CPU build rejects head_dim 16 (the tiny preset's): the tiny preset with head_dim 64.
@@ -43,7 +43,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path, int]:
     """))
     workdir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=xla_flags())
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=os.environ["LOGRA_TEST_XLA_FLAGS"])
     proc = subprocess.Popen([sys.executable, "-m", "logra_jax.main", f"--config={config}", f"--workdir={workdir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
