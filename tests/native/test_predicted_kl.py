@@ -55,8 +55,13 @@ def _setup(seed=1, rank=8, model_preset="tiny"):
     batch = dict(tokens=toks, attention_mask=jnp.ones_like(toks), loss_mask=jnp.ones_like(toks))
     probe = dict(tokens=toks[:2], attention_mask=jnp.ones_like(toks[:2]),
                  kl_mask=jnp.ones_like(toks[:2]).at[:, :4].set(0))
-    grads = jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), batch)[0])(params)
+    grads = jax.jit(jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), batch)[0]))(params)
     return graphdef, params, rest, grads, probe
+
+
+def _first_update(tx, grads, params):
+    """tx's first update from a fresh state, as one program (op by op, the optimizer compiles ~100 small ones)."""
+    return jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
 
 
 # The Gemma 3 layout: the probe's JVP runs through q/k norms, (1 + w) and post norms, GeGLU and the
@@ -67,7 +72,7 @@ def test_predicted_matches_realised_kl_on_tiny_model(model_preset):
     # A small step (KL ≈ 1e-5 per token: quadratic regime) yet well above the fp32 noise floor of the realised KL
     # (≈ 1e-7 per token; at ratio 1e-3, KL ≈ 1e-6, that noise alone moves the ratio by a few %).
     tx = logra(rank=8, update_ratio=3e-3, round_bf16=False)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = _first_update(tx, grads, params)
     q, realised = jax.jit(lambda p, u: predicted_and_realised_kl(graphdef, p, rest, jnp.int32(0), u, probe))(
         params, updates)
     assert float(q) > 1e-6
@@ -78,7 +83,7 @@ def test_finite_differences_of_logits_match_the_factored_jvp():
     """δz from the probe equals (z(W + εΔW) − z(W − εΔW)) / 2ε with ΔW applied densely."""
     graphdef, params, rest, grads, probe = _setup(seed=2)
     tx = logra(rank=8, update_ratio=1e-2, round_bf16=False)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = _first_update(tx, grads, params)
     from logra_jax.optim.lowrank import apply_updates
     eps = 0.5
     scale = lambda s: jax.tree.map(lambda x: x * s if x.dtype == jnp.float32 else x, updates)
@@ -140,7 +145,7 @@ def test_sharded_prediction_equals_unsharded():
     graphdef, params, rest, grads, probe = _setup(seed=3)
     probe = {k: jnp.concatenate([v, v[::-1]]) for k, v in probe.items()}  # 4 rows for 4 data shards
     tx = logra(rank=8, update_ratio=1e-3, round_bf16=False)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = _first_update(tx, grads, params)
     predict = jax.jit(lambda p, u, pr: make_kl_probe(graphdef, p, rest, jnp.int32(0), pr)(u))
     want = predict(params, updates, probe)
     mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

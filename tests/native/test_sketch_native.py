@@ -24,7 +24,7 @@ def _batch(seed=0, B=6, T=12, vocab=128):
 def _dense_oracle(graphdef, params, rest, batch, targets, spec):
     """S_l = G_l A_lᵀ from the dense gradient of the plain model's loss on the whole batch (no microbatching:
     a weighting error in the step's accumulation cannot cancel), contracted in numpy float64."""
-    grads = jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), batch)[0])(params)
+    grads = jax.jit(jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), batch)[0]))(params)
     flat = {".".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(grads)}
     out = {}
     for path, t in targets.items():
