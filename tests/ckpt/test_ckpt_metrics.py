@@ -11,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
-from tensorboardX.record_writer import masked_crc32c
 
 from logra_jax.metrics import (
     Logger,
     MetricsWriter,
     NonFiniteMetricError,
     Progress,
+    _import_tensorboardx,
     _proc_status_bytes,
     check_finite,
     describe_device_balance,
@@ -31,6 +30,10 @@ from logra_jax.metrics import (
 
 def read_events(logdir):
     """Every Event of every event file under `logdir`: TFRecord framing (length, masked CRC-32C, data, CRC)."""
+    _import_tensorboardx()  # tensorboardX without the torch its __init__ imports (not at collection: CI time)
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+
     events = []
     for path in sorted(logdir.glob("events.out.tfevents.*")):
         data = path.read_bytes()

@@ -8,14 +8,15 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 import transformers
 from safetensors.numpy import save_file as save_numpy
-from safetensors.torch import save_file as save_torch
 
 from logra_jax import models
 from logra_jax.models.gguf import read_gguf
 from logra_jax.models.hf import SafetensorsFile
+
+# torch is imported where it is used, and this module runs on the one worker that imports it (tests/models/conftest.py)
+pytestmark = pytest.mark.xdist_group("torch")
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,9 @@ def test_runtime_overrides_only(checkpoint):
 
 
 def test_safetensors_reader_agrees_with_the_safetensors_package(tmp_path):
+    import torch
+    from safetensors.torch import save_file as save_torch
+
     generator = torch.Generator().manual_seed(0)
     tensors = {"bf16": torch.randn(3, 5, generator=generator).bfloat16(),
                "f16": torch.randn(7, generator=generator).half(), "f32": torch.randn(2, 2, 2, generator=generator),

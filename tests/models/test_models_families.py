@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 
@@ -20,6 +19,9 @@ from logra_jax import models
 from logra_jax import sharding as shd
 from logra_jax.models.hf import config_from_hf, config_to_hf
 from logra_jax.optim.targets import find_targets
+
+# torch is imported where it is used, and this module runs on the one worker that imports it (tests/models/conftest.py)
+pytestmark = pytest.mark.xdist_group("torch")
 
 _S, _F = "sliding_attention", "full_attention"
 CASES = {
@@ -135,6 +137,8 @@ def test_export_round_trip_is_bit_exact_and_transformers_reads_it(case, checkpoi
 def test_presets_map_to_transformers_with_the_same_parameter_count(name):
     """Each preset's config.json builds the transformers class (on the meta device: no memory) with exactly the
     parameters our decoder has, and reads back to the same preset."""
+    import torch
+
     config = models.preset(name)
     hf = config_to_hf(config)
     assert config_from_hf(hf) == config
@@ -219,6 +223,8 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_decoder(tmp_path, hf_logits
     """google/gemma-3-{4b,12b,27b} are Gemma3ForConditionalGeneration checkpoints: the decoder's config is a
     text_config listing only what differs from Gemma3TextConfig's defaults, its tensors sit under
     "language_model.", and the vision tower is skipped. Logits equal the multimodal model's on text."""
+    import torch
+
     text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, sliding_window=5, sliding_window_pattern=2,
                 query_pre_attn_scalar=24, rope_scaling={"rope_type": "linear", "factor": 2.0})

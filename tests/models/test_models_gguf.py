@@ -6,13 +6,15 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 
 from logra_jax import models
 from logra_jax.models.decoder import init_model
 from logra_jax.models.gguf import read_gguf
+
+# torch is imported where it is used, and this module runs on the one worker that imports it (tests/models/conftest.py)
+pytestmark = pytest.mark.xdist_group("torch")
 
 Q = gguf.GGMLQuantizationType
 
@@ -24,6 +26,8 @@ def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(path, peer, arch: str, *, qtypes=None, skip=(), extra_tensors=None, fields=None):
     """Write `peer` as llama.cpp would; `peer`'s weights become the dequantised stored values (the reference)."""
+    import torch
+
     qtypes = qtypes or {}
     c = peer.config
     writer = gguf.GGUFWriter(str(path), arch)

@@ -7,13 +7,14 @@ import weakref
 import jax
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
-from safetensors.torch import load_file
 
 from logra_jax import models
 from logra_jax.models.hf import build_model
+
+# torch is imported where it is used, and this module runs on the one worker that imports it (tests/models/conftest.py)
+pytestmark = pytest.mark.xdist_group("torch")
 
 CASES = {
     "llama-gqa-untied-llama3": ("llama", dict(
@@ -47,6 +48,8 @@ def test_logits_match_transformers(case, tmp_path, hf_model, hf_logits, forward,
 
 
 def test_bfloat16_checkpoint_loads_exactly(tmp_path, hf_model):
+    import torch
+
     peer = hf_model("qwen2").to(torch.bfloat16)
     peer.save_pretrained(tmp_path)
     model, _, _ = models.load(tmp_path)
@@ -86,6 +89,8 @@ def test_export_single_file_matches_safetensors_reader(tmp_path):
     config = models.preset("tiny", tie_embeddings=False)
     model = models.init_model(config, seed=3)
     models.export(model, None, tmp_path / "out")
+    from safetensors.torch import load_file
+
     tensors = load_file(tmp_path / "out" / "model.safetensors")  # the reference reader
     np.testing.assert_array_equal(tensors["model.layers.1.mlp.down_proj.weight"].numpy(),
                                   np.asarray(model.blocks.mlp.down_proj.kernel[1]).T)

@@ -12,6 +12,10 @@ import transformers
 from logra_jax.models import Tokenizer, char_tokenizer, preset
 from logra_jax.models.tokenizer import CHAR_ALPHABET
 
+# transformers.AutoTokenizer imports torch: this module runs on the one worker that imports it
+# (tests/models/conftest.py)
+pytestmark = pytest.mark.xdist_group("torch")
+
 
 def test_char_tokenizer_has_fixed_ids_within_the_tiny_vocabulary():
     tok = char_tokenizer()

@@ -9,9 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+# torch and the port (which imports it) are imported by the tests, not at collection, and the module runs on the
+# one worker that imports torch (tests/models/conftest.py)
+pytestmark = pytest.mark.xdist_group("torch")
 
-from logra_jax.rollout import torch_projection as tp  # noqa: E402
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tp(torch):
+    return importlib.import_module("logra_jax.rollout.torch_projection")
 
 # logra_jax.optim re-exports a function named `projection`, which shadows the module as an attribute.
 jp = importlib.import_module("logra_jax.optim.projection")
@@ -42,7 +52,7 @@ def _check(got: np.ndarray, want: np.ndarray, distribution: str, case: object) -
     assert int(ulp.max()) <= GAUSSIAN_ULP, (case, int(ulp.max()))
 
 
-def test_known_answer_and_jax_hash():
+def test_known_answer_and_jax_hash(tp, torch):
     """Threefry-2x32 against the Random123 vectors and against JAX's primitive on random words."""
     k = (0x13198A2E, 0x03707344)
     out = tp.threefry2x32(k, torch.tensor([0x243F6A88]), torch.tensor([0x85A308D3]))
@@ -60,7 +70,7 @@ def test_known_answer_and_jax_hash():
 
 
 @pytest.mark.parametrize("seed,shape", [(0, (5,)), (2**62 - 1, (3, 11)), (42, (2, 3, 4))])
-def test_random_bits_equal_jax(seed, shape):
+def test_random_bits_equal_jax(seed, shape, tp):
     key = jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl="threefry2x32")
     want = np.asarray(jax.random.bits(key, shape, jnp.uint32))
     np.testing.assert_array_equal(tp.random_bits(seed, shape).numpy().astype(np.uint32), want)
@@ -68,13 +78,13 @@ def test_random_bits_equal_jax(seed, shape):
 
 @pytest.mark.parametrize("base,step,path", [(0, 0, "a"), (42, 7, "blocks.mlp.up_proj.kernel.3"),
                                             (2**50, 2**31 - 1, "ü")])
-def test_layer_seed_equal_jax(base, step, path):
+def test_layer_seed_equal_jax(base, step, path, tp):
     assert tp.layer_seed(base, step, path) == jp.layer_seed(base, step, path)
     assert tp.path_digest(path) == jp.path_digest(path)
 
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
-def test_projection_equal_jax_on_many_cases(distribution):
+def test_projection_equal_jax_on_many_cases(distribution, tp):
     """(seed, step, path, shape) cases against logra_jax.optim.projection.projection."""
     for base, step, path, (rank, width) in CASES:
         seed = jp.layer_seed(base, step, path)
@@ -84,7 +94,7 @@ def test_projection_equal_jax_on_many_cases(distribution):
 
 
 @pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
-def test_slice_projections_equal_jax_batched(distribution):
+def test_slice_projections_equal_jax_batched(distribution, tp):
     """The stacked slices of a batched target ("path.i"), as the merge draws them (jitted, vmapped)."""
     paths = [f"blocks.attn.k_proj.kernel.{i}" for i in range(5)]
     want = np.asarray(jp.slice_projections(42, 3, jp.digest_words(paths), 8, 96, distribution))
@@ -92,7 +102,7 @@ def test_slice_projections_equal_jax_batched(distribution):
     _check(got, want, distribution, paths)
 
 
-def test_gaussian_tails_close_to_jax():
+def test_gaussian_tails_close_to_jax(tp):
     """Uniforms at the edges of [0, 1) (w ≥ 5 branch of erfinv, the clamp at −1) on a large draw."""
     seed = tp.layer_seed(1, 2, "tails")
     want = np.asarray(jp.projection(seed, 1, 50_000, "gaussian"))
@@ -101,7 +111,7 @@ def test_gaussian_tails_close_to_jax():
     _check(got, want, "gaussian", "tails")
 
 
-def test_bad_arguments_named():
+def test_bad_arguments_named(tp):
     with pytest.raises(ValueError, match="distribution"):
         tp.projection(0, 2, 2, "uniform")
     with pytest.raises(ValueError, match="rank"):

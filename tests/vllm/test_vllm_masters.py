@@ -4,22 +4,34 @@ corruption/gap repair, and the Hugging Face tensors it hands vLLM against models
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from logra_jax.models.config import preset
+from logra_jax.models.decoder import init_model
+from logra_jax.models.hf import _export_tensors
+from logra_jax.optim import LowRankUpdate, apply_updates, find_targets
+from logra_jax.optim.spec import SketchSpec
+from logra_jax.rollout.sync import delta_payload, flat_params, snapshot_payload
+from logra_jax.rollout.vllm_engine import hf_table
 
-from logra_jax.models.config import preset  # noqa: E402
-from logra_jax.models.decoder import init_model  # noqa: E402
-from logra_jax.models.hf import _export_tensors  # noqa: E402
-from logra_jax.optim import LowRankUpdate, apply_updates, find_targets  # noqa: E402
-from logra_jax.optim.spec import SketchSpec  # noqa: E402
-from logra_jax.rollout.sync import delta_payload, flat_params, snapshot_payload  # noqa: E402
-from logra_jax.rollout.vllm_engine import hf_table  # noqa: E402
-from logra_jax.rollout.vllm_ext import TorchMasters, hf_tensors  # noqa: E402
+# torch and the receiver (which imports it) are imported by the tests, not at collection, and the module runs on
+# the one worker that imports torch (tests/models/conftest.py)
+pytestmark = pytest.mark.xdist_group("torch")
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def ext(torch):
+    return importlib.import_module("logra_jax.rollout.vllm_ext")
 
 RANK = 4
 NORM = "blocks.norm.scale"
@@ -56,11 +68,11 @@ def _step(params, key, step, *, spec, decay):
 
 @pytest.mark.parametrize("round_bf16,decay,distribution,refresh_every",
                          [(False, False, "rademacher", 1), (True, True, "gaussian", 3)])
-def test_torch_masters_follow_the_trainer(round_bf16, decay, distribution, refresh_every):
+def test_torch_masters_follow_the_trainer(round_bf16, decay, distribution, refresh_every, ext):
     spec = SketchSpec(rank=RANK, base_seed=7, round_bf16=round_bf16, distribution=distribution,
                       refresh_every=refresh_every)
     params = _params()
-    masters = TorchMasters({p: a.shape for p, a in flat_params(params).items()})
+    masters = ext.TorchMasters({p: a.shape for p, a in flat_params(params).items()})
     reply, changed = masters.receive(snapshot_payload(params, 0).to_bytes())
     assert reply["status"] == "loaded" and set(changed) == set(flat_params(params))
     for version in range(1, 9):
@@ -75,10 +87,10 @@ def test_torch_masters_follow_the_trainer(round_bf16, decay, distribution, refre
     assert not np.array_equal(masters.params["embed"].numpy(), np.zeros((32, 16)))
 
 
-def test_chain_rules_and_corruption():
+def test_chain_rules_and_corruption(ext):
     spec = SketchSpec(rank=RANK, base_seed=7)
     params0 = _params()
-    masters = TorchMasters({p: a.shape for p, a in flat_params(params0).items()})
+    masters = ext.TorchMasters({p: a.shape for p, a in flat_params(params0).items()})
     params1, up1 = _step(params0, jax.random.key(1), 1, spec=spec, decay=False)
     params2, up2 = _step(params1, jax.random.key(2), 2, spec=spec, decay=False)
     d1 = delta_payload(up1, params1, 1, trained=[NORM]).to_bytes()
@@ -100,14 +112,14 @@ def test_chain_rules_and_corruption():
     np.testing.assert_array_equal(masters.probe(idx)["embed"], np.asarray(params1["embed"]).reshape(-1)[idx["embed"]])
 
 
-def test_hf_tensors_equal_export():
+def test_hf_tensors_equal_export(ext, torch):
     """The table the trainer sends + hf_tensors give the very tensors models.hf.export writes (interleaved RoPE)."""
     config = dataclasses.replace(preset("tiny"), rope_interleaved=True)
     model = init_model(config, seed=1)
     table = hf_table(config)
     from flax import nnx
     leaves = {p: torch.from_numpy(np.array(a)) for p, a in flat_params(nnx.state(model, nnx.Param)).items()}
-    got = {name: t for p, w in leaves.items() for name, t in hf_tensors(table, p, w)}
+    got = {name: t for p, w in leaves.items() for name, t in ext.hf_tensors(table, p, w)}
     want = {name: produce() for name, _, produce in _export_tensors(model)}
     assert set(got) == set(want)
     for name, w in want.items():
