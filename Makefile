@@ -49,8 +49,7 @@ $(RUN_STAMP): requirements.txt pyproject.toml
 	$(call install,-r requirements.txt)
 	touch $@
 
-# The test environment in one pip run and one compile (a second pass of compileall re-reads every file the first
-# compiled): it holds the runtime stack too, so it stamps both.
+# The test environment in one uv run: it holds the runtime stack too, so it stamps both.
 $(DEV_STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(call install,-r requirements.txt -r requirements-dev.txt)
 	touch $(RUN_STAMP) $@
