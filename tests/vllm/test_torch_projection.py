@@ -15,12 +15,7 @@ pytestmark = pytest.mark.xdist_group("torch")
 
 
 @pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def tp(torch):
+def tp(torch):  # the `torch` fixture: tests/vllm/conftest.py
     return importlib.import_module("logra_jax.rollout.torch_projection")
 
 # logra_jax.optim re-exports a function named `projection`, which shadows the module as an attribute.

@@ -25,12 +25,7 @@ pytestmark = pytest.mark.xdist_group("torch")
 
 
 @pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def ext(torch):
+def ext(torch):  # the `torch` fixture: tests/vllm/conftest.py
     return importlib.import_module("logra_jax.rollout.vllm_ext")
 
 RANK = 4
