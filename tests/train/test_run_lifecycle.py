@@ -191,8 +191,8 @@ def test_sigterm_checkpoints_stops_and_resumes_exactly(tmp_path, tiny_config, re
     """Preempted while its first RL step compiles, the run checkpoints the step it finishes, stops with SIGTERM's
     status and resumes to the uninterrupted run's metrics: `finished_run`'s, the same 4 steps (checkpointing
     changes no metric)."""
-    straight, _ = finished_run
-    steps = 4
+    straight, straight_config = finished_run
+    steps = straight_config["train"]["steps"]
     config = write_config(tiny_config, tmp_path / "c.py", train={"steps": steps, "checkpoint_every": 100})
     workdir = tmp_path / "preempted"
     proc = subprocess.Popen(cli(config, workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
