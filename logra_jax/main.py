@@ -15,6 +15,7 @@ failed checkpoint save (orbax waits up to 20 minutes for signals that never come
 machines, and no interpreter-shutdown noise follows the error.
 """
 
+import gc
 import os
 import sys
 import time
@@ -68,6 +69,12 @@ def _peer_failed(text: str) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # What exists now (the modules of jax, flax, orbax: about 214,000 objects) lives as long as the process: out
+    # of the cycle collector's reach, so that its collections, and the one before each phase's device balance
+    # (metrics.describe_device_balance), scan only what the job allocates. A 2-step RL job on the tiny model:
+    # 11–12 full collections, 1.44–1.58 → 0.55–0.66 s (two runs each).
+    gc.collect()
+    gc.freeze()
     if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint step at INFO; --verbosity=0 shows it
         logging.set_verbosity(logging.WARNING)
     try:
