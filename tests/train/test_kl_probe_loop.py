@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import io_callback
 
 import logra_jax.train_step as train_step_mod
 from logra_jax.models.config import preset
@@ -61,6 +62,7 @@ def _kl_controlled_step(undo_above=0.0):
     step = make_train_step(graphdef, next_token_loss, tx, mode="sketch_native",
                            kl_probe=KLProbeConfig(undo_above=undo_above))
     state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    step = jax.jit(step)  # one program (op by op the step compiles ~170 small ones)
     toks = jax.random.randint(jax.random.key(0), (4, 8), 1, 128)
     batch = {"tokens": toks, "attention_mask": jnp.ones_like(toks, bool), "loss_mask": jnp.ones_like(toks, bool)}
     probe = {"tokens": toks[:2], "attention_mask": jnp.ones_like(toks[:2], bool),
@@ -71,8 +73,12 @@ def _kl_controlled_step(undo_above=0.0):
 @pytest.mark.slow
 def test_refused_step_advances_no_state(monkeypatch):
     predictions = iter([1e-4, float("nan"), -1.0, 1e-4])
-    monkeypatch.setattr(train_step_mod, "make_kl_probe",
-                        lambda *a, **k: lambda updates: (jnp.float32(next(predictions)), jnp.float32(1.0)))
+
+    def fake_probe(updates):  # the next prediction on each run of the jitted step (a callback, not a traced constant)
+        q = io_callback(lambda: np.float32(next(predictions)), jax.ShapeDtypeStruct((), jnp.float32))
+        return q, jnp.float32(1.0)
+
+    monkeypatch.setattr(train_step_mod, "make_kl_probe", lambda *a, **k: fake_probe)
     step, state, rest, batch, probe = _kl_controlled_step()
     state, metrics = step(state, rest, batch, probe=probe)  # a normal step: everything moves
     assert float(metrics["kl_refused"]) == 0.0 and int(state.step) == 1
