@@ -86,11 +86,11 @@ def test_export_round_trip_is_bit_exact_and_transformers_reads_it(case, tmp_path
 
 
 def test_export_single_file_matches_safetensors_reader(tmp_path):
+    from safetensors.torch import load_file
+
     config = models.preset("tiny", tie_embeddings=False)
     model = models.init_model(config, seed=3)
     models.export(model, None, tmp_path / "out")
-    from safetensors.torch import load_file
-
     tensors = load_file(tmp_path / "out" / "model.safetensors")  # the reference reader
     np.testing.assert_array_equal(tensors["model.layers.1.mlp.down_proj.weight"].numpy(),
                                   np.asarray(model.blocks.mlp.down_proj.kernel[1]).T)
