@@ -82,8 +82,9 @@ def pytest_runtest_teardown(item, nextitem):
     fixtures, jax's caches of traced and compiled programs) frozen. Otherwise the heap the tests leave grows
     through the session and every full collection rescans it: 150 of them cost 74 s across the three workers.
     Every `SWEEP_EVERY` tests one collection over everything (unfrozen first) frees cycles that became garbage
-    after they were frozen: 0.15 s at first and up to 1.3 s by the end (0.9–1.3 million objects frozen); every 50
-    tests, the sweeps were 21 s of the 39 s the collector took across the workers."""
+    after they were frozen; each takes longer as the heap grows (about 0.4 s to 1.3 s, 0.9–1.3 million objects
+    frozen by the end). The collector's time across the workers, full runs: 39 s with a sweep every 50 tests, 22 s
+    with one every 200."""
     global _tests_since_sweep
     result = yield
     _tests_since_sweep += 1
