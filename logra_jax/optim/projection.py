@@ -161,6 +161,52 @@ def check_projection_args(rank: int, distribution: str) -> None:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
 
 
+# erfinv as the float32 polynomial of Giles ("Approximating the erfinv function", 2010): p(w) in w − 2.5 for
+# w = −log1p(−x²) < 5 and in √w − 3 above, Horner order, coefficients highest degree first. This is what XLA's
+# decomposition of `erf_inv` computed for `jax.random.normal` up to jax 0.10; jax 0.11 lowers erf_inv to a more
+# accurate piecewise polynomial by default, which moves most float32 draws by up to ~80 ulp. Written out here, a
+# Gaussian A is the same on every JAX version (a checkpoint resumes with the projections it was trained with), and
+# the PyTorch port (`logra_jax.rollout.torch_projection`) repeats the same operations.
+_ERFINV_LT5 = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
+               -0.00417768164, 0.246640727, 1.50140941)
+_ERFINV_GE5 = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
+               0.00943887047, 1.00167406, 2.83297682)
+
+
+def giles_erfinv(x: jax.Array) -> jax.Array:
+    """float32 erfinv(x) for x in [−1, 1] by Giles' polynomial, in the order of operations of XLA's decomposition
+    (±1 map to ±inf).
+
+    Example:
+      >>> float(giles_erfinv(jnp.float32(0.0)))
+      0.0
+    """
+    x = jnp.asarray(x, jnp.float32)
+    w = -jnp.log1p(x * -x)
+    lt = w < np.float32(5.0)
+    w = jnp.where(lt, w - np.float32(2.5), jnp.sqrt(w) - np.float32(3.0))
+    coef = lambda i: jnp.where(lt, np.float32(_ERFINV_LT5[i]), np.float32(_ERFINV_GE5[i]))
+    p = coef(0)
+    for i in range(1, len(_ERFINV_LT5)):
+        p = coef(i) + p * w
+    return jnp.where(jnp.abs(x) == np.float32(1.0), x * np.float32(np.inf), p * x)
+
+
+def giles_normal(key: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """float32 N(0, 1) draws of `key`: √2 · erfinv(u), u uniform in [−(1 − 2⁻²⁴), 1) (`jax.random.uniform`), with
+    `giles_erfinv`: bit for bit `jax.random.normal(key, shape)` where JAX's erf_inv is Giles' (jax ≤ 0.10) on the
+    same backend and compile options, and the same draws on every later version.
+
+    Example:
+      >>> z = giles_normal(jax.random.key(0), (2, 3))
+      >>> z.shape, z.dtype
+      ((2, 3), dtype('float32'))
+    """
+    lo = np.nextafter(np.float32(-1.0), np.float32(0.0))
+    u = jax.random.uniform(key, tuple(shape), jnp.float32, lo, np.float32(1.0))
+    return np.float32(math.sqrt(2)) * giles_erfinv(u)
+
+
 def projection(key_or_seed: jax.Array | int, rank: int, width: int, distribution: Distribution = "rademacher",
                dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """A [rank, width] with entries ±1/√r (Rademacher) or N(0, 1/r) (Gaussian), so that E[AᵀA] = I.
@@ -195,7 +241,7 @@ def projection(key_or_seed: jax.Array | int, rank: int, width: int, distribution
     if distribution == "rademacher":
         a = jax.random.rademacher(key, shape, jnp.float32)
     else:
-        a = jax.random.normal(key, shape, jnp.float32)
+        a = giles_normal(key, shape)
     return (a * (1.0 / math.sqrt(rank))).astype(dtype)
 
 

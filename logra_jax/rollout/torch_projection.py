@@ -11,7 +11,8 @@ wherever JAX's is integer, and imports only torch and the standard library (it r
   u_i       = float32 with bits (bits_i >> 9) | 0x3f800000, minus 1                   (uniform [0, 1))
   Rademacher: A_i = (2·[u_i < 0.5] − 1) · f32(1/√r)                                   (exact in any arithmetic)
   Gaussian:   v_i = max(lo, 2·u_i + lo), lo = −(1 − 2^−24);  A_i = √2 · erfinv(v_i) · f32(1/√r)
-              with erfinv the float32 polynomial XLA decomposes `erf_inv` into (Giles' approximation),
+              with erfinv Giles' float32 polynomial (`logra_jax.optim.projection.giles_erfinv`, what XLA
+              decomposed `erf_inv` into up to jax 0.10; the trainer writes it out on every version),
               w = −log1p(−v²), evaluated in the same order of float32 operations.
 
 The Rademacher draw (the default) involves no floating-point rounding except the final scale and is bit for bit
@@ -38,7 +39,8 @@ _MASK32 = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KS_PARITY = 0x1BD11BDA
 
-# XLA's float32 erf_inv (stablehlo chlo decomposition): p(w) for w < 5 (w − 2.5) and w ≥ 5 (√w − 3), Horner order.
+# Giles' float32 erfinv (logra_jax.optim.projection.giles_erfinv, which this module cannot import: it imports JAX):
+# p(w) for w < 5 (w − 2.5) and w ≥ 5 (√w − 3), Horner order.
 _ERFINV_LT5 = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
                -0.00417768164, 0.246640727, 1.50140941)
 _ERFINV_GE5 = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,

@@ -1,19 +1,30 @@
 """Projections: seeds against hashlib, traced keys against host seeds, distributions, unbiasedness of S·A."""
 
+import contextlib
 import hashlib
+import math
 import struct
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.special
 
 from logra_jax.optim import (
     find_targets,
     projection,
     target_projection,
 )
-from logra_jax.optim.projection import digest_words, key_from_digest, layer_key, layer_seed, path_digest
+from logra_jax.optim.projection import (
+    digest_words,
+    giles_erfinv,
+    giles_normal,
+    key_from_digest,
+    layer_key,
+    layer_seed,
+    path_digest,
+)
 
 PATHS = ["blocks.attn.q_proj.kernel.0", "blocks.mlp.down_proj.kernel.27", "w", "ünïcode.path"]
 STEPS = [0, 1, 299, 65535, 65536, 123_456_789, 2**31 - 1]
@@ -73,6 +84,41 @@ def test_projection_distributions():
         projection(0, 4, 8, "uniform")
     with pytest.raises(TypeError, match="rank"):
         projection(0, 0, 8)
+
+
+def _legacy_erf_inv():
+    """A context in which `jax.random.normal` uses Giles' float32 erf_inv: jax ≤ 0.10 always does; from 0.11 on,
+    with the `jax_accurate_erf_inv` state off."""
+    from jax._src import config as jax_config
+    state = getattr(jax_config, "jax_accurate_erf_inv", None)
+    return contextlib.nullcontext() if state is None else state(False)
+
+
+def test_gaussian_draws_are_giles_erfinv_on_every_jax_version():
+    """The Gaussian A is √2·erfinv(u) with Giles' float32 erfinv written out (`giles_normal`): bit for bit what
+    `jax.random.normal` draws with that erf_inv (every JAX up to 0.10), eager and jitted, and within Giles'
+    accuracy of scipy's float64 erfinv, down to the clamped tails."""
+    key = jax.random.key(3)
+    shape = (64, 1000)
+    with _legacy_erf_inv():
+        want = np.asarray(jax.random.normal(key, shape, jnp.float32))
+        want_jit = np.asarray(jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32))(key))
+    got = np.asarray(giles_normal(key, shape))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    got_jit = np.asarray(jax.jit(lambda k: giles_normal(k, shape))(key))
+    np.testing.assert_array_equal(got_jit.view(np.uint32), want_jit.view(np.uint32))
+    seed = layer_seed(7, 0, "w")
+    key7 = jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl="threefry2x32")
+    np.testing.assert_array_equal(np.asarray(projection(seed, 4, 16, "gaussian")),
+                                  np.asarray(giles_normal(key7, (4, 16))) * np.float32(0.5))
+    # Accuracy against float64: the draws' own uniforms and the extremes (±(1 − 2⁻²⁴), 0, near ±1).
+    lo = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+    u = np.asarray(jax.random.uniform(key, shape, jnp.float32, lo, 1.0), np.float64)
+    np.testing.assert_allclose(got, math.sqrt(2) * scipy.special.erfinv(u), rtol=1e-5, atol=1e-6)
+    edges = np.array([lo, -lo, 0.0, 0.5, -0.999, 1 - 2.0**-20], np.float32)
+    np.testing.assert_allclose(np.asarray(giles_erfinv(edges), np.float64),
+                               scipy.special.erfinv(edges.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    assert np.asarray(giles_erfinv(np.array([1.0, -1.0], np.float32))).tolist() == [np.inf, -np.inf]
 
 
 def test_target_projection_slices_refresh_and_scan_over_layers():

@@ -119,8 +119,13 @@ def test_sharded_step_equals_unsharded(name, mesh_name):
         want_delta = np.asarray(want) - np.asarray(p0)
         scale = max(float(np.abs(want_delta).max()), 1e-30)
         np.testing.assert_allclose(np.asarray(got) - np.asarray(p0), want_delta, rtol=1e-2, atol=1e-2 * scale)
+    # Optimizer state to 1e-4 of each leaf's largest entry, for the same reason: on an AMD EPYC (jax 0.10.2 and
+    # 0.12.1 alike) one of the embedding's 8192 AdamW first moments is 1.7e-7 off at 2.8e-4, 2e-5 of the leaf's
+    # largest (8.6e-3); on the Intel Xeons before, everything was within 1e-7.
     for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref_state.opt_state)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7)
+        want = np.asarray(want)
+        scale = float(np.abs(want).max()) if want.size and np.issubdtype(want.dtype, np.floating) else 0.0
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=max(1e-7, 1e-4 * scale))
 
 
 def test_activations_are_split_over_the_batch():
