@@ -163,10 +163,11 @@ def check_projection_args(rank: int, distribution: str) -> None:
 
 # erfinv as the float32 polynomial of Giles ("Approximating the erfinv function", 2010): p(w) in w − 2.5 for
 # w = −log1p(−x²) < 5 and in √w − 3 above, Horner order, coefficients highest degree first. This is what XLA's
-# decomposition of `erf_inv` computed for `jax.random.normal` up to jax 0.10; jax 0.11 lowers erf_inv to a more
-# accurate piecewise polynomial by default, which moves most float32 draws by up to ~80 ulp. Written out here, a
-# Gaussian A is the same on every JAX version (a checkpoint resumes with the projections it was trained with), and
-# the PyTorch port (`logra_jax.rollout.torch_projection`) repeats the same operations.
+# decomposition of `erf_inv` computed for `jax.random.normal` up to jax 0.10. jax 0.12.1 lowers erf_inv to a more
+# accurate piecewise polynomial by default (its Gaussian draws were up to 76 ulp from these in
+# tests/vllm/test_torch_projection.py). Written out here, a Gaussian A is the same on every JAX version (a
+# checkpoint resumes with the projections it was trained with) and the PyTorch port
+# (`logra_jax.rollout.torch_projection`) repeats the same operations.
 _ERFINV_LT5 = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
                -0.00417768164, 0.246640727, 1.50140941)
 _ERFINV_GE5 = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
