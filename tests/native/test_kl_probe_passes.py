@@ -63,8 +63,10 @@ def test_probe_in_passes_equals_one_pass():
     q1, count1, hidden1, kl1, kl_count1 = out[1]
     assert float(count1) == float(probe["kl_mask"].sum()) == float(kl_count1)
     assert float(q1) > 0 and float(kl1) > 0
-    # The tangent-mode hooks' primal is the plain forward (the zero probes add no product).
-    np.testing.assert_array_equal(np.asarray(hidden1, np.float32), np.asarray(plain, np.float32))
+    # The tangent-mode hooks' primal is the plain forward (the zero probes add no product): equal up to the order XLA
+    # fuses the two programs in (bitwise on jax 0.10.2; jax 0.12.1 rounded 80% of the entries differently, by at
+    # most 9.5e-7 at 1.5, about 8 ulp).
+    np.testing.assert_allclose(np.asarray(hidden1, np.float32), np.asarray(plain, np.float32), rtol=1e-5, atol=1e-5)
     q, count, hidden, kl, kl_count = out[2]
     assert float(count) == float(count1) and float(kl_count) == float(kl_count1)
     np.testing.assert_array_equal(np.asarray(hidden, np.float32), np.asarray(hidden1, np.float32))

@@ -18,7 +18,7 @@ from packaging.version import Version
 from logra_jax.extras import EXTRAS
 
 REPO = Path(__file__).resolve().parents[2]
-LOCKS = ("requirements.txt", "requirements-dev.txt", "requirements-docs.txt")
+LOCKS = ("requirements.txt", "requirements-py312.txt", "requirements-dev.txt", "requirements-docs.txt")
 
 
 def declared(project: dict, groups: tuple[str, ...] | None = None) -> dict[str, list[tuple[str, Requirement]]]:
@@ -66,6 +66,16 @@ def pin_problems(decl: dict[str, list[tuple[str, Requirement]]], locks: dict[str
 def test_every_pin_is_declared_and_inside_its_range(project):
     problems = pin_problems(declared(project), {lock: pins(lock) for lock in LOCKS})
     assert not problems, "\n".join(problems)
+
+
+def test_the_python_312_lock_pins_the_same_packages_none_older():
+    """requirements-py312.txt (Python ≥ 3.12) is requirements.txt (3.11) with newer releases where 3.12 has them:
+    the same packages, each at the same or a later version, and jax and jaxlib at one version."""
+    py311, py312 = pins("requirements.txt"), pins("requirements-py312.txt")
+    assert sorted(py312) == sorted(py311)
+    older = {name: (str(py311[name]), str(py312[name])) for name in py311 if py312[name] < py311[name]}
+    assert not older, older
+    assert py312["jax"] == py312["jaxlib"] and py311["jax"] == py311["jaxlib"]
 
 
 def test_a_pin_moved_past_its_range_or_undeclared_is_reported(project):
