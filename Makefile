@@ -90,7 +90,7 @@ test-aot: venv-tpu venv-cuda
 	JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q -p no:xdist $(AOT_TESTS)
 
 # The test suite on the Python 3.12 lock (requirements-py312.txt: jax 0.12) in its own venv, .venv-py312; never part
-# of `make test`. On 3.12 the registry's torch is its CUDA build (about 3 GB to download; README "Testing").
+# of `make test`. On 3.12 the registry's torch is its CUDA build (the venv: 5.7 GB; README "Testing").
 test-py312:
 	$(MAKE) test PYTHON=$(PYTHON312) VENV=.venv-py312
 

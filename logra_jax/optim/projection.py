@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.giles import ERFINV_GE5, ERFINV_LT5
 from logra_jax.optim.targets import Target
 
 Distribution = Literal["rademacher", "gaussian"]
@@ -161,19 +162,10 @@ def check_projection_args(rank: int, distribution: str) -> None:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
 
 
-# erfinv as the float32 polynomial of Giles ("Approximating the erfinv function", 2010): p(w) in w − 2.5 for
-# w = −log1p(−x²) < 5 and in √w − 3 above, Horner order, coefficients highest degree first. This is what XLA's
-# decomposition of `erf_inv` computed for `jax.random.normal` up to jax 0.10. jax 0.12.1 lowers erf_inv to a more
-# accurate piecewise polynomial by default (its Gaussian draws were up to 76 ulp from these in
-# tests/vllm/test_torch_projection.py). Written out here, a Gaussian A is the same on every JAX version (a
-# checkpoint resumes with the projections it was trained with) and the PyTorch port
-# (`logra_jax.rollout.torch_projection`) repeats the same operations.
-_ERFINV_LT5 = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
-               -0.00417768164, 0.246640727, 1.50140941)
-_ERFINV_GE5 = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
-               0.00943887047, 1.00167406, 2.83297682)
-
-
+# jax 0.12.1 lowers erf_inv to a more accurate piecewise polynomial by default (its Gaussian draws were up to 76 ulp
+# from Giles' in tests/vllm/test_torch_projection.py). Written out here (`logra_jax.giles`), a Gaussian A is the
+# same on every JAX version (a checkpoint resumes with the projections it was trained with) and the PyTorch port
+# repeats the same operations.
 def giles_erfinv(x: jax.Array) -> jax.Array:
     """float32 erfinv(x) for x in [−1, 1] by Giles' polynomial, in the order of operations of XLA's decomposition
     (±1 map to ±inf).
@@ -186,9 +178,9 @@ def giles_erfinv(x: jax.Array) -> jax.Array:
     w = -jnp.log1p(x * -x)
     lt = w < np.float32(5.0)
     w = jnp.where(lt, w - np.float32(2.5), jnp.sqrt(w) - np.float32(3.0))
-    coef = lambda i: jnp.where(lt, np.float32(_ERFINV_LT5[i]), np.float32(_ERFINV_GE5[i]))
+    coef = lambda i: jnp.where(lt, np.float32(ERFINV_LT5[i]), np.float32(ERFINV_GE5[i]))
     p = coef(0)
-    for i in range(1, len(_ERFINV_LT5)):
+    for i in range(1, len(ERFINV_LT5)):
         p = coef(i) + p * w
     return jnp.where(jnp.abs(x) == np.float32(1.0), x * np.float32(np.inf), p * x)
 

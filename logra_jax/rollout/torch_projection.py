@@ -2,7 +2,8 @@
 
 An engine that runs in PyTorch (vLLM) merges W ← W + U·A from the factor U and the seed alone, so it must draw the
 very A the trainer's JAX code drew. This module repeats JAX's computation step by step, in integer arithmetic
-wherever JAX's is integer, and imports only torch and the standard library (it runs inside vLLM's process):
+wherever JAX's is integer, and imports only torch, the standard library and `logra_jax.giles` (constants; it runs
+inside vLLM's process):
 
   seed      = (base · 1_000_003 + step · 7_919 + digest(path)) mod 2^62              (`layer_seed`)
   key       = (k₀, k₁) = (seed >> 32, seed & 0xffffffff)                            (threefry2x32 key data)
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
+from logra_jax.giles import ERFINV_GE5, ERFINV_LT5
+
 DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian")
 
 _BASE_MULT = 1_000_003
@@ -38,13 +41,6 @@ _SEED_BITS = 62
 _MASK32 = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KS_PARITY = 0x1BD11BDA
-
-# Giles' float32 erfinv (logra_jax.optim.projection.giles_erfinv, which this module cannot import: it imports JAX):
-# p(w) for w < 5 (w − 2.5) and w ≥ 5 (√w − 3), Horner order.
-_ERFINV_LT5 = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
-               -0.00417768164, 0.246640727, 1.50140941)
-_ERFINV_GE5 = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
-               0.00943887047, 1.00167406, 2.83297682)
 
 
 def path_digest(path: str) -> int:
@@ -120,10 +116,10 @@ def _erfinv(x: torch.Tensor) -> torch.Tensor:
     w = -torch.log1p(x * -x)
     lt = w < 5.0
     w = torch.where(lt, w - 2.5, torch.sqrt(w) - 3.0)
-    coef = lambda i: torch.where(lt, torch.tensor(_ERFINV_LT5[i], dtype=torch.float32, device=x.device),
-                                 torch.tensor(_ERFINV_GE5[i], dtype=torch.float32, device=x.device))
+    coef = lambda i: torch.where(lt, torch.tensor(ERFINV_LT5[i], dtype=torch.float32, device=x.device),
+                                 torch.tensor(ERFINV_GE5[i], dtype=torch.float32, device=x.device))
     p = coef(0)
-    for i in range(1, len(_ERFINV_LT5)):
+    for i in range(1, len(ERFINV_LT5)):
         p = coef(i) + p * w
     return torch.where(x.abs() == 1.0, x * math.inf, p * x)
 

@@ -118,10 +118,8 @@ def test_gaussian_draws_are_giles_erfinv_on_every_jax_version():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     got_jit = np.asarray(jax.jit(lambda k: giles_normal(k, shape) * 2.0)(key))
     np.testing.assert_array_equal(got_jit.view(np.uint32), want_jit.view(np.uint32))
-    seed = layer_seed(7, 0, "w")
-    key7 = jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl="threefry2x32")
-    np.testing.assert_array_equal(np.asarray(projection(seed, 4, 16, "gaussian")),
-                                  np.asarray(giles_normal(key7, (4, 16))) * np.float32(0.5))
+    np.testing.assert_array_equal(np.asarray(projection(layer_seed(7, 0, "w"), 4, 16, "gaussian")),
+                                  np.asarray(giles_normal(layer_key(7, 0, "w"), (4, 16))) * np.float32(0.5))
     # Accuracy against float64: some of the draws' own uniforms and the extremes (±(1 − 2⁻²⁴), 0, near ±1).
     lo = float(np.nextafter(np.float32(-1.0), np.float32(0.0)))
     u = np.asarray(jax.random.uniform(key, shape, jnp.float32, lo, 1.0)).ravel()[:4000]
