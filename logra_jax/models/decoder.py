@@ -8,13 +8,16 @@ Parameter paths (canonical, "."-joined): embed.embedding [V, D]; blocks.attn_nor
 blocks.attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias for Qwen2 q/k/v); blocks.attn.{q,k}_norm.scale [L, hd]
 (Qwen3, Gemma 3); blocks.post_attn_norm.scale [L, D] (Gemma 3); blocks.mlp_norm.scale [L, D];
 blocks.mlp.{gate,up,down}_proj.kernel [L, in, out]; blocks.post_mlp_norm.scale [L, D] (Gemma 3);
-final_norm.scale [D]; lm_head.kernel [D, V] when untied.
+final_norm.scale [D]; lm_head.kernel [D, V] when untied. Under `ModelConfig.decode_unroll` (the GPU rollout
+engine's layout) the blocks are one module per layer: blocks.{i}.<path> holds layer i of blocks.<path>, without
+the L axis (`layer_source`, `per_layer_state`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +100,10 @@ class Decoder(nnx.Module):
         self.embed = nnx.Embed(c.vocab_size, c.hidden_size, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
         self.embed.embedding.set_metadata("axes", ("vocab", "embed"))
-        self.blocks = Block(c, stack=c.num_layers, rngs=rngs)
+        # One stacked Block scanned over layers; under decode_unroll (the GPU engine) one Block per layer, so that a
+        # decode step reads each layer's weights in place (XLA:GPU copies a loop's static slices of a stack out).
+        self.blocks = (nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)]) if c.decode_unroll
+                       else Block(c, stack=c.num_layers, rngs=rngs))
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.norm_offset)
         self.lm_head = None if c.tie_embeddings else Linear(
             c.hidden_size, c.vocab_size, axes=("embed", "vocab"), rngs=rngs)
@@ -115,19 +121,18 @@ class Decoder(nnx.Module):
         return self.lm_head.kernel[...]
 
     def _run_blocks(self, x, positions, q_slots, key_valid, cache: KVCache | None):
-        graphdef, state = nnx.split(self.blocks)
-        if cache is not None and isinstance(cache.k, tuple):
-            # A per-layer cache: the layers unrolled, each reading its weights (a static slice of the stack) and
-            # its own k, v buffers in place (XLA:GPU copies a layer's slice out of a stacked, loop-carried cache).
+        if self.config.decode_unroll:
+            # The layers unrolled, each reading its own weights and its own k, v buffers (a per-layer cache) in place.
             ks, vs = [], []
-            for layer in range(self.config.num_layers):
-                block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
-                x, (k, v) = block(x, positions, q_slots, key_valid, (cache.k[layer], cache.v[layer]), cache.index,
-                                  layer)
-                ks.append(k)
-                vs.append(v)
-            return x, (tuple(ks), tuple(vs))
+            for layer, block in enumerate(self.blocks):
+                kv = None if cache is None else (cache.k[layer], cache.v[layer])
+                x, kv = block(x, positions, q_slots, key_valid, kv, None if cache is None else cache.index, layer)
+                if kv is not None:
+                    ks.append(kv[0])
+                    vs.append(kv[1])
+            return x, None if cache is None else (tuple(ks), tuple(vs))
 
+        graphdef, state = nnx.split(self.blocks)
         # The cache [L, B, S, Hkv, hd] rides in the carry: each layer scatters its new rows into it in place and
         # reads its own slice (no per-layer copy of the cache in or out of the scan).
         def body(carry, xs):
@@ -212,8 +217,46 @@ class Decoder(nnx.Module):
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
-    """A randomly initialised decoder (normal(0.02) weights, unit norms)."""
-    return Decoder(config, rngs=nnx.Rngs(params=seed))
+    """A randomly initialised decoder (normal(0.02) weights, unit norms); under `ModelConfig.decode_unroll` the
+    stacked decoder's weights of the same seed, one module per layer."""
+    if not config.decode_unroll:
+        return Decoder(config, rngs=nnx.Rngs(params=seed))
+    stacked = nnx.split(Decoder(dataclasses.replace(config, decode_unroll=False), rngs=nnx.Rngs(params=seed)))[1]
+    graphdef, abstract = nnx.split(abstract_model(config))
+    return nnx.merge(graphdef, per_layer_state(stacked, abstract))
+
+
+def layer_source(path: str) -> tuple[str, int | None]:
+    """Where a parameter of the per-layer decoder (`ModelConfig.decode_unroll`) lies in the stacked one: its
+    stacked path and layer, or (path, None) for a parameter outside the blocks (the same in both).
+
+    Example:
+      >>> layer_source("blocks.3.attn.q_proj.kernel"), layer_source("final_norm.scale")
+      (('blocks.attn.q_proj.kernel', 3), ('final_norm.scale', None))
+    """
+    head, _, rest = path.partition(".")
+    index, _, tail = rest.partition(".")
+    if head == "blocks" and index.isdigit() and tail:
+        return f"blocks.{tail}", int(index)
+    return path, None
+
+
+def per_layer_state(stacked: Any, per_layer: Any) -> Any:
+    """The state tree `per_layer` (of a per-layer decoder, any leaves: its abstract state will do) filled from the
+    stacked decoder's state or parameter tree `stacked`: layer i of each stacked leaf where `layer_source` says.
+
+    Raises:
+      ValueError: `stacked` lacks a parameter the per-layer tree needs (named).
+    """
+    flat = {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(stacked)}
+
+    def take(keypath: Any, _: Any) -> Any:
+        source, layer = layer_source(path_str(keypath))
+        if source not in flat:
+            raise ValueError(f"per_layer_state: the stacked state lacks {source!r} (for {path_str(keypath)!r})")
+        return flat[source] if layer is None else flat[source][layer]
+
+    return jax.tree_util.tree_map_with_path(take, per_layer)
 
 
 def cast_matrices(model: nnx.Module, dtype: str) -> None:

@@ -14,7 +14,10 @@ gathers a weight (the trainer's FSDP layout would gather the whole model every t
 stored in the model's compute dtype (what the decoder casts them to at every use), so its logits are the trainer's
 policy's; there is no float32 copy. `publish` rebuilds them from the trainer's weights once per update — a cast
 and one reshard, bit for bit what the trainer's weights round to — and shares a trainer leaf as it is where its
-dtype and layout already match (a float32 job on one device holds no second copy at all).
+dtype and layout already match (a float32 job on one device holds no second copy at all). On GPUs the engine
+holds each layer's weights as arrays of their own (`ModelConfig.decode_unroll`: XLA:GPU would copy a layer's slice
+out of a stacked weight in every decode step), cut out of the trainer's stacks by the same publish, so it never
+shares a block's weight with the trainer there.
 
 `WorkerEngine` drives a worker process (logra_jax.rollout.worker) through low-rank policy sync
 (logra_jax.rollout.sync.PolicySync): it receives U and seeds, never dense weights, and keeps its own float32
@@ -35,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.models.decoder import abstract_model
+from logra_jax.models.decoder import abstract_model, layer_source
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.slots import generate
 from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params
@@ -45,7 +48,7 @@ from logra_jax.tree_paths import path_str
 
 def decode_config(config: ModelConfig, platform: str = "cpu") -> ModelConfig:
     """The engine's model config: matrices stored in the compute dtype (norm scales and biases stay float32); on
-    GPUs the layers of a decode step unrolled (`ModelConfig.decode_unroll`)."""
+    GPUs one module per layer and the layers of a decode step unrolled (`ModelConfig.decode_unroll`)."""
     return dataclasses.replace(config, param_dtype=config.dtype, decode_unroll=platform == "gpu")
 
 
@@ -102,47 +105,59 @@ class DecodeLayout:
       model_config: the trainer's model config.
       mesh: the trainer's mesh.
       tensor: t (0: `default_decode_tensor`).
+      per_layer: hold the blocks' weights one leaf per layer and unroll the decode step's layers
+        (`ModelConfig.decode_unroll`); None: on GPUs only.
     """
 
-    def __init__(self, model_config: ModelConfig, mesh: Mesh, tensor: int = 0):
+    def __init__(self, model_config: ModelConfig, mesh: Mesh, tensor: int = 0, per_layer: bool | None = None):
         self.tensor = tensor or default_decode_tensor(model_config, mesh)
         self.mesh = decode_mesh(mesh, self.tensor)
         self.config = decode_config(model_config, mesh.devices.flat[0].platform)
+        if per_layer is not None:
+            self.config = dataclasses.replace(self.config, decode_unroll=per_layer)
         self.graphdef, abstract = nnx.split(abstract_model(self.config))
         shardings = param_shardings(abstract, self.mesh)
         self.abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                                      shardings)
         self.leaves = flat_params(self.abstract)
+        # {trainer path: [(engine path, layer or None)]}: a per-layer engine (GPUs) holds layer i of a stacked
+        # trainer leaf as a leaf of its own (`models.decoder.layer_source`), cut out once per publish.
+        self.sources: dict[str, list[tuple[str, int | None]]] = {}
+        for path in self.leaves:
+            source, layer = layer_source(path)
+            self.sources.setdefault(source, []).append((path, layer))
         self._casts: dict[tuple[str, ...], Any] = {}
 
     def split(self, trainer_leaves: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(shared, to_copy): the trainer's leaves (arrays or abstract, by path) split by whether the engine can
-        hold them as they are (same dtype, equivalent sharding).
+        """(shared, to_copy): the trainer's leaves (arrays or abstract, by path) the engine reads, split by whether
+        it can hold them as they are (one engine leaf of the same dtype and an equivalent sharding: shared, by
+        path) or builds its own from them (to_copy, by trainer path: `groups`, `cast`).
 
         Raises:
           ValueError: a parameter of the engine's model that the trainer's leaves lack (named).
         """
-        missing = sorted(set(self.leaves) - set(trainer_leaves))
+        missing = sorted(set(self.sources) - set(trainer_leaves))
         if missing:
             raise ValueError(f"DecodeLayout: the trainer's state lacks the engine's parameters {missing[:4]}")
         shared, to_copy = {}, {}
-        for path, want in self.leaves.items():
-            leaf = trainer_leaves[path]
+        for source, targets in self.sources.items():
+            leaf = trainer_leaves[source]
+            want = self.leaves[targets[0][0]]
             sharding = getattr(leaf, "sharding", None)
-            same = (leaf.dtype == want.dtype and sharding is not None
+            same = (targets == [(source, None)] and leaf.dtype == want.dtype and sharding is not None
                     and sharding.is_equivalent_to(want.sharding, len(want.shape)))
-            (shared if same else to_copy)[path] = leaf
+            (shared if same else to_copy)[source] = leaf
         return shared, to_copy
 
     def groups(self, leaves: dict[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
         """These trainer leaves (by path) in the groups `publish` casts and reshards one program at a time: in the
-        engine's order, each holding at most `limit` (default `PUBLISH_GROUP_BYTES`) bytes of engine weights per
+        engine's order, each making at most `limit` (default `PUBLISH_GROUP_BYTES`) bytes of engine weights per
         device (a larger leaf alone)."""
         limit = PUBLISH_GROUP_BYTES if limit is None else limit
         out: list[dict[str, Any]] = []
         size = limit
         for path, x in leaves.items():
-            nbytes = device_bytes(self.leaves[path])
+            nbytes = self.device_bytes([path])
             if size + nbytes > limit:
                 out.append({})
                 size = 0
@@ -150,20 +165,27 @@ class DecodeLayout:
             size += nbytes
         return out
 
+    def device_bytes(self, trainer_paths: Collection[str]) -> int:
+        """Bytes per device of the engine's leaves made from these trainer leaves (by path)."""
+        return sum(device_bytes(self.leaves[target]) for p in trainer_paths for target, _ in self.sources[p])
+
     def cast(self, leaves: dict[str, Any]) -> Any:
-        """The jitted cast + reshard of these trainer leaves (arrays or abstract, by path) into the decode layout,
-        built once per set of paths and input shardings: each leaf is cast where it lies, then moved in the
-        engine's dtype (a bf16 engine moves half a float32 trainer's bytes, and no float32 copy is gathered)."""
+        """The jitted cast + reshard of these trainer leaves (arrays or abstract, by path) into the engine's leaves
+        they make (by engine path), built once per set of paths and input shardings: each leaf is cast where it
+        lies, then moved in the engine's dtype (a bf16 engine moves half a float32 trainer's bytes, and no float32
+        copy is gathered); a per-layer engine's layers are cut out of the cast stack."""
         ins = {p: getattr(x, "sharding", None) for p, x in leaves.items()}
         key = tuple((p, ins[p]) for p in leaves)
         if key not in self._casts:
             def cast(tree: dict[str, Any]) -> dict[str, Any]:
                 out = {}
                 for p, x in tree.items():
-                    y = x.astype(self.leaves[p].dtype)
-                    out[p] = y if ins[p] is None else jax.lax.with_sharding_constraint(y, ins[p])
+                    y = x.astype(self.leaves[self.sources[p][0][0]].dtype)
+                    y = y if ins[p] is None else jax.lax.with_sharding_constraint(y, ins[p])
+                    out.update({target: y if layer is None else y[layer] for target, layer in self.sources[p]})
                 return out
-            self._casts[key] = jax.jit(cast, out_shardings={p: self.leaves[p].sharding for p in leaves})
+            outs = {target: self.leaves[target].sharding for p in leaves for target, _ in self.sources[p]}
+            self._casts[key] = jax.jit(cast, out_shardings=outs)
         return self._casts[key]
 
     def state(self, flat: dict[str, Any]) -> Any:
@@ -180,6 +202,7 @@ class ColocatedEngine:
       mesh: the trainer's mesh (the engine uses its devices).
       params, rest: the trainer's weights and the model's other state (nnx.State trees) at `version`.
       tensor: t of the decode layout (0: `default_decode_tensor`).
+      per_layer: the weights one leaf per layer (`DecodeLayout`; None: on GPUs only).
 
     Example:
       >>> from logra_jax.models.config import preset
@@ -195,9 +218,9 @@ class ColocatedEngine:
     on_device = True
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any, rest: Any, *,
-                 version: int = 0, tensor: int = 0):
+                 version: int = 0, tensor: int = 0, per_layer: bool | None = None):
         self.sampling = sampling
-        self.layout = DecodeLayout(model_config, mesh, tensor)
+        self.layout = DecodeLayout(model_config, mesh, tensor, per_layer)
         self.graphdef, self.mesh, self.tensor = self.layout.graphdef, self.layout.mesh, self.layout.tensor
         self._rest = flat_params(rest)
         self.version = version

@@ -159,20 +159,10 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, key: jax.Arr
         return out._replace(cache=cache)
 
 
-_DECODE_JIT = dict(static_argnames=("graphdef", "config", "bucket", "mesh"), donate_argnums=(2,))
-decode = jax.jit(_decode, **_DECODE_JIT)
-# XLA:GPU merges the dots that share an input (a layer's gate and up projections, its k and v) into one GEMM over
-# the weights concatenated, copying each layer's slices out of the stacked weights to do so: at a decode step's few
-# rows that copy costs more than the GEMM (27B on 8 × H100: 8.5 of a step's 29 GB). The GPU engine's decode
-# program compiles without that pass; each GEMM then reads its layer's slice in place.
-GPU_DECODE_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
-decode_gpu = jax.jit(_decode, compiler_options=GPU_DECODE_OPTIONS, **_DECODE_JIT)
-
-
-def decode_program(slots: Slots):
-    """The jitted decode chunk (`decode`'s signature) for these slots: `decode_gpu` for a per-layer cache (the
-    engine's layout on GPUs, `ModelConfig.decode_unroll`), else `decode`."""
-    return decode_gpu if isinstance(slots.cache.k, tuple) else decode
+# On GPUs the engine holds each layer's weights and KV cache as buffers of their own (`ModelConfig.decode_unroll`):
+# XLA:GPU then reads each in place, and its dot-merger fuses a layer's gate and up GEMMs (and q, k, v) into one
+# GEMM over the separate buffers; over stacked weights it copies every layer's slices out in every step.
+decode = jax.jit(_decode, static_argnames=("graphdef", "config", "bucket", "mesh"), donate_argnums=(2,))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -233,7 +223,6 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
     K = prefill_lanes(config, B, R)
     slots, prompts, prompt_mask = start(graphdef, state, prompts, prompt_mask, config=config, num_slots=S,
                                          mesh=mesh)
-    step = decode_program(slots)
     waiting, done, t = 0, np.ones(S, bool), np.zeros(S, np.int64)
     while True:
         free = np.flatnonzero(done)
@@ -251,7 +240,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
         if done.all():
             break
         bucket = bucket_length(config, P, int(t[~done].max()))
-        slots = step(graphdef, state, slots, key, config=config, bucket=bucket, mesh=mesh)
+        slots = decode(graphdef, state, slots, key, config=config, bucket=bucket, mesh=mesh)
         done, t = _host(slots.done), _host(slots.t)
     return finish(slots, prompts, prompt_mask, config=config)
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from logra_jax.models.config import preset
-from logra_jax.models.decoder import init_model
+from logra_jax.models.decoder import init_model, layer_source
 from logra_jax.optim import apply_updates, logra
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout.engine import ColocatedEngine, decode_mesh, decode_tensor_sizes, default_decode_tensor
@@ -114,6 +114,35 @@ def test_engine_rollouts_equal_a_one_device_sampler(trained):
     want = Sampler(nnx.merge(engine.graphdef, host), SAMPLING)(jnp.asarray(PROMPTS), jnp.asarray(MASK),
                                                                jax.random.key(5))
     got = engine.generate(PROMPTS, MASK, jax.random.key(5))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=2e-2)
+
+
+def test_a_per_layer_engine_holds_each_layer_of_the_trainers_stacks(trained):
+    """The GPU engine's layout (`ModelConfig.decode_unroll`; `per_layer=True` picks it on these CPU devices): each
+    layer of a stacked weight a leaf of its own, bit for bit that layer of the trainer's weight rounded and split as
+    the stacked engine splits it, cut out by the publish (no block weight shared); the same rollouts."""
+    stacked = trained["engine"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_lib, "PUBLISH_GROUP_BYTES", 1)  # one trainer leaf, L engine leaves, per program
+        engine = ColocatedEngine(CONFIG, SAMPLING, trained["mesh"], trained["params"], trained["rest"], tensor=2,
+                                 per_layer=True)
+    assert engine.layout.config.decode_unroll and not stacked.layout.config.decode_unroll
+    ours, theirs = flat_params(engine.state), flat_params(stacked.state)
+    blocks = [p for p in theirs if p.startswith("blocks.")]
+    assert len(ours) == len(theirs) + (CONFIG.num_layers - 1) * len(blocks) and blocks
+    for path, mine in ours.items():
+        source, layer = layer_source(path)
+        full = theirs[source]
+        np.testing.assert_array_equal(_bits(mine), _bits(full if layer is None else full[layer]), err_msg=path)
+        spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+        assert spec(mine) == (spec(full) if layer is None else spec(full)[1:]), path
+    # Shared: the replicated float32 final norm alone (the stacked engine also shares the blocks' norm stacks).
+    norm = ours["final_norm.scale"]
+    assert norm is flat_params(trained["params"])["final_norm.scale"] and engine.shared_bytes == norm.size * 4
+    total = sum(x.size * x.dtype.itemsize for x in ours.values())
+    assert engine.copied_bytes + engine.shared_bytes == total == stacked.copied_bytes + stacked.shared_bytes
+    got, want = (e.generate(PROMPTS, MASK, jax.random.key(5)) for e in (engine, stacked))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=2e-2)
 

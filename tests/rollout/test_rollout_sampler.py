@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 
 from logra_jax.models.config import preset
-from logra_jax.models.decoder import init_model
+from logra_jax.models.decoder import abstract_model, init_model, layer_source, per_layer_state
 from logra_jax.models.greedy import greedy_generate
 from logra_jax.rollout import slots as slots_lib
 from logra_jax.rollout.sampling import SamplingConfig, filter_logits, sample_tokens
 from logra_jax.rollout.slots import Sampler, generate
+from logra_jax.rollout.sync import flat_params
 
 P = 5
 PROMPTS = np.array([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13], [0, 0, 0, 40, 41]], np.int32)
@@ -257,23 +258,46 @@ def test_greedy_equals_the_batched_greedy_decoder_token_for_token(model):
 @pytest.mark.parametrize("name", ["tiny", "tiny-gemma3"])
 @pytest.mark.slow
 def test_a_per_layer_cache_decodes_as_the_stacked_one(name):
-    """`ModelConfig.decode_unroll` (the GPU engine's per-layer KV cache, its layers unrolled, each attending in
-    place over its buffer up to the length bucket) samples what the stacked cache under the layer scan samples:
+    """`ModelConfig.decode_unroll` (the GPU engine's layout: one module per layer holding that layer of the stacked
+    weights, `per_layer_state`, and a per-layer KV cache, the layers unrolled, each attending in place over its
+    buffer up to the length bucket) samples what the stacked weights and cache under the layer scan sample:
     the same tokens, lengths and finished flags, log-probs up to float rounding, through refills and length
     buckets (and past Gemma 3's sliding window of 8, whose per-layer pattern and RoPE bases follow the layer's
     index)."""
     graphdef, state = nnx.split(init_model(preset(name, tie_embeddings=False), seed=1))
     state = jax.tree.map(lambda x: 4.0 * x if x.ndim >= 2 else x, state)
-    unrolled = nnx.split(init_model(preset(name, tie_embeddings=False, decode_unroll=True), seed=1))[0]
-    cache = nnx.merge(unrolled, state).init_cache(2, 4)
+    unrolled, per_layer = nnx.split(abstract_model(preset(name, tie_embeddings=False, decode_unroll=True)))
+    per_layer = per_layer_state(state, per_layer)
+    assert len(flat_params(per_layer)) > len(flat_params(state))  # one leaf per layer
+    cache = nnx.merge(unrolled, per_layer).init_cache(2, 4)
     assert isinstance(cache.k, tuple) and len(cache.k) == preset(name).num_layers and cache.k[0].ndim == 4
     base = SamplingConfig(max_new_tokens=9, eos_id=1, pad_id=0, num_samples=4, temperature=1.0)
     for slots, steps, buckets in [(0, 9, 1), (5, 2, 4)]:
         config = dataclasses.replace(base, slots=slots, decode_steps=steps, length_buckets=buckets)
-        ref, got = (generate(g, state, jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(3), config)
-                    for g in (graphdef, unrolled))
+        ref, got = (generate(g, s, jnp.asarray(PROMPTS), jnp.asarray(MASK), jax.random.key(3), config)
+                    for g, s in ((graphdef, state), (unrolled, per_layer)))
         for field in ref._fields:
             compare = np.testing.assert_array_equal if field != "logprobs" else functools.partial(
                 np.testing.assert_allclose, rtol=0, atol=1e-5)
             compare(np.asarray(getattr(got, field)), np.asarray(getattr(ref, field)), err_msg=f"{slots=} {field}")
     assert P + base.max_new_tokens > preset("tiny-gemma3").sliding_window
+
+
+def test_a_per_layer_decoder_is_the_stacked_one_cut_into_layers():
+    """`init_model` under `ModelConfig.decode_unroll` holds layer i of the same seed's stacked weights at
+    blocks.{i}.<path> (`layer_source`), every parameter once, and computes the stacked decoder's logits."""
+    stacked = init_model(preset("tiny-gemma3"), seed=3)
+    per_layer = init_model(preset("tiny-gemma3", decode_unroll=True), seed=3)
+    theirs, ours = flat_params(nnx.state(stacked)), flat_params(nnx.state(per_layer))
+    L = preset("tiny-gemma3").num_layers
+    assert len(ours) == len(theirs) + (L - 1) * sum(p.startswith("blocks.") for p in theirs)
+    for path, leaf in ours.items():
+        source, layer = layer_source(path)
+        assert (layer is None) == (not path.startswith("blocks.")), path
+        np.testing.assert_array_equal(leaf, theirs[source] if layer is None else theirs[source][layer], path)
+    assert layer_source("blocks.12.mlp.up_proj.kernel") == ("blocks.mlp.up_proj.kernel", 12)
+    tokens = jnp.asarray(PROMPTS)
+    np.testing.assert_allclose(per_layer(tokens, attention_mask=jnp.asarray(MASK)),
+                               stacked(tokens, attention_mask=jnp.asarray(MASK)), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"blocks\.mlp\.up_proj\.kernel"):
+        per_layer_state({k: v for k, v in theirs.items() if k != "blocks.mlp.up_proj.kernel"}, nnx.state(per_layer))
