@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
@@ -41,6 +42,7 @@ README = ("README.md",)
 REPORT = ("experiments/REPORT.md",)
 METHOD = ("docs/method.md",)
 MEMORY = ("experiments/memory/README.md",)
+ROLLOUT = ("experiments/rollout/README.md",)
 BOTH = README + REPORT
 
 # Document → the heading whose section must have every number registered (None: the whole document).
@@ -359,6 +361,23 @@ def _rollout_plans() -> Iterator[Quote]:
     cells = {c["cell"]: c for c in _json("experiments/rollout/plans.json")["cells"]}
     yield from q(README, "for the paper's 7B recipe on v5e:2x4 it is {:.2f}× the floor, and for Gemma-3-27B on "
                          "h100:8 {:.2f}×", cells["7b@v5e:2x4"]["ratio_to_floor"], cells["27b@h100:8"]["ratio_to_floor"])
+    yield from q(ROLLOUT, "the cell's {:.2f}× is that, diluted by the cache read. At 7B (t = 4) the cell is {:.2f}×",
+                 cells["1.5b@h100:8"]["ratio_to_floor"], cells["7b@h100:8"]["ratio_to_floor"])
+    yield from q(ROLLOUT, "the dot merger back on (below) | {:.2f} | {:.2f} |",
+                 cells["27b@h100:8"]["decode_step"]["hbm_bytes"] / 1e9, cells["27b@h100:8"]["ratio_to_floor"])
+
+
+def _rollout_jax_versions() -> Iterator[Quote]:
+    """The 27b@h100:8 rollout planned with the engine's weights stacked and per layer, on both locks' jaxlib."""
+    for layout, jaxlib in itertools.product(("stacked", "per_layer"), ("0.10.2", "0.12.0.1")):
+        source = f"experiments/rollout/jax_versions/{layout}_jax{jaxlib}.json"
+        plan = _json(source)
+        assert plan["jax"] == jaxlib, (source, plan["jax"])
+        rollout = next(p for p in plan["phases"] if p["name"] == "rollout")
+        step = rollout["per_decode_step"]
+        yield from _quoter(source)(
+            ROLLOUT, f"| {layout.replace('_', ' ')} | {jaxlib} | {{:.2f}} | {{:.2f}} | {{:.0f}} s |",
+            step["hbm_bytes"] / 1e9, step["est_seconds"] / step["floor_seconds"], rollout["time"]["est_seconds"])
 
 
 # --- learning: experiments/sweep.py's results files ------------------------------------------------------------
@@ -726,6 +745,6 @@ def _vllm() -> Iterator[Quote]:
 def quotes() -> list[Quote]:
     """Every registered quote, with its figures computed from today's results files."""
     sources = (_memory, _memory_targets, _bf16_learning, _bf16_smollm2, _step_cost, _whole_job, _fits, _dropin,
-               _rollout_plans, _parity, _momentum, _smollm2, _ablations, _kl, _sync, _sketch_native, _multihost,
-               _paper_claims, _vllm)
+               _rollout_plans, _rollout_jax_versions, _parity, _momentum, _smollm2, _ablations, _kl, _sync,
+               _sketch_native, _multihost, _paper_claims, _vllm)
     return [quote for source in sources for quote in source()]

@@ -84,6 +84,9 @@ class ModelSection:
         _check_choice("model", "tokenizer", self.tokenizer, ("char", "checkpoint"))
         if self.tokenizer == "checkpoint" and not self.checkpoint:
             _fail("model.tokenizer", self.tokenizer, "needs model.checkpoint")
+        if self.overrides.get("decode_unroll"):
+            _fail("model.overrides", dict(self.overrides), "decode_unroll is the rollout engine's own layout (set "
+                  "for GPUs by logra_jax.rollout.engine); the trained model keeps its layers stacked")
         if not self.checkpoint:
             try:
                 preset(self.preset, **dict(self.overrides))

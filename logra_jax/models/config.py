@@ -72,10 +72,10 @@ class ModelConfig:
         LoGRA projections X Aᵀ of sketch-native targets).
       attention_impl: "dense" materialises [T, T] scores; "chunked" runs an online softmax over key chunks.
       attention_chunk: key-chunk length of the chunked attention.
-      decode_unroll: a per-layer KV cache (`Decoder.init_cache`: one buffer per layer) and the layers of cached
-        decoding unrolled over it instead of scanned over a stacked cache (the rollout engine sets it for GPUs:
-        XLA:GPU then reads each layer's weights and KV cache in place, where a loop copies each layer's slice out
-        of the stacked cache first).
+      decode_unroll: one module per layer (parameters blocks.{i}.<path>, `decoder.layer_source`) and a per-layer
+        KV cache (`Decoder.init_cache`: one buffer per layer), the layers unrolled instead of scanned over stacks
+        (the rollout engine sets it for GPUs: XLA:GPU then reads each layer's weights and KV cache in place, where
+        a loop copies each layer's slices out of the stacks first). Decoding only: the trainer keeps the stacks.
     """
 
     architecture: Architecture = "llama"

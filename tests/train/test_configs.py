@@ -54,6 +54,13 @@ def test_carry_and_demonstration_fields_are_validated(section, field, value, mat
         RunConfig.from_dict(config)
 
 
+def test_the_engines_per_layer_layout_is_refused_for_the_trained_model():
+    config = load("demo.py")
+    config.model.overrides = {**config.model.overrides, "decode_unroll": True}
+    with pytest.raises(ValueError, match=r"config\.model\.overrides = .*decode_unroll is the rollout engine's own"):
+        RunConfig.from_dict(config)
+
+
 def test_held_out_problems_are_never_trained_on(tmp_path):
     from logra_jax.builders import build_tasks
 
