@@ -202,7 +202,7 @@ def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, An
     layout = engine = None
     copied = shared_bytes = 0
     if run.rollout.workers == 0:  # the colocated engine, in its decode layout, built from the trainer's model
-        layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor)
+        layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor, run.rollout.per_layer)
         shared, to_copy = layout.split({**flat_params(trainer_rest), **flat_params(state.params)})
         engine = layout.abstract
         copied, shared_bytes = layout.device_bytes(to_copy), layout.device_bytes(shared)
@@ -257,7 +257,7 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     largest = max(largest, refill_bytes, key=lambda b: b["total"])
     if refused:
         return PhaseBytes(name, largest, others, note, refused)
-    decode_bytes, refused, decode = compiled_bytes(slots_lib.decode, graphdef, state, slots, key,
+    decode_bytes, refused, decode = compiled_bytes(slots_lib.decode_program(slots), graphdef, state, slots, key,
                                                    config=sampling, bucket=job.prompt_len + sampling.max_new_tokens,
                                                    mesh=mesh)
     largest = max(largest, decode_bytes, key=lambda b: b["total"])

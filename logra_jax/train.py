@@ -436,7 +436,7 @@ def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: l
     engine = rollout_engine(run.rollout.workers, trainer.model().config,
                             run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), mesh, state.params, rest,
                             version=int(state.step), trained=trainer.plan.dense_paths(state.params),
-                            decode_tensor=run.rollout.decode_tensor, **vllm)
+                            decode_tensor=run.rollout.decode_tensor, per_layer=run.rollout.per_layer, **vllm)
     _closes(opened, engine)
     greedy = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
     t = _LoopState(job, state, rest, estimator, est_state, trainer.plan, step_fn,

@@ -83,6 +83,12 @@ FIELD_MEANINGS: dict[str, str] = {
     "rollout.decode_tensor": "The colocated engine's tensor-parallel group size t: its compute-dtype weights are "
                              "split over t devices and replicated over the n / t groups, each decoding its own "
                              "slots; 0 = chosen from the model and the devices.",
+    "rollout.decode_layers": "How the colocated engine holds the blocks' weights, one of {DECODE_LAYERS}: "
+                             "`per_layer` (each layer's weights arrays of their own, cut out of the trainer's stacks "
+                             "at every publish: XLA:GPU reads them in place, where it copies a stack's slices in "
+                             "every decode step), `stacked` (the trainer's stacks, shared with the trainer where "
+                             "dtype and layout match: no second copy of the weights) or `auto` (per_layer on GPUs, "
+                             "stacked elsewhere).",
     "rollout.workers": "0: the rollout engine runs in the trainer's process; 1: a separate rollout worker "
                        "process, synchronised with low-rank payloads (method §6).",
     "algorithm.estimator": "Advantage estimator, one of {ESTIMATORS}.",

@@ -310,12 +310,13 @@ class WorkerEngine:
 
 def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any,
                    rest: Any, *, version: int = 0, trained: Collection[str] = (), decode_tensor: int = 0,
-                   vllm: Any = None, model_dir: str | None = None,
+                   per_layer: bool | None = None, vllm: Any = None, model_dir: str | None = None,
                    **worker_options: Any) -> Any:
     """The engine for `config.rollout`: with `vllm` (its VLLMSettings) vLLM in its own process on the Hugging Face
     folder `model_dir`, fed by low-rank payloads (`logra_jax.rollout.vllm_engine.VLLMEngine`); else by `workers`:
-    0 = colocated (`ColocatedEngine`, decode layout with t = decode_tensor), 1 = a worker process fed by low-rank
-    payloads (`WorkerEngine`; worker_options go to `WorkerProcessTransport`).
+    0 = colocated (`ColocatedEngine`, decode layout with t = decode_tensor, weights per layer or stacked by
+    per_layer), 1 = a worker process fed by low-rank payloads (`WorkerEngine`; worker_options go to
+    `WorkerProcessTransport`).
 
     Raises:
       ValueError: another `workers` value, or worker options for the colocated engine (named).
@@ -327,7 +328,8 @@ def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingCo
     if workers == 0:
         if worker_options:
             raise ValueError(f"rollout_engine: options {sorted(worker_options)} only apply to workers=1")
-        return ColocatedEngine(model_config, sampling, mesh, params, rest, version=version, tensor=decode_tensor)
+        return ColocatedEngine(model_config, sampling, mesh, params, rest, version=version, tensor=decode_tensor,
+                               per_layer=per_layer)
     if workers == 1:
         from logra_jax.rollout.worker import WorkerProcessTransport
         return WorkerEngine(WorkerProcessTransport(model_config, sampling, **worker_options), params,

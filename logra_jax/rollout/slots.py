@@ -159,10 +159,21 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, key: jax.Arr
         return out._replace(cache=cache)
 
 
-# On GPUs the engine holds each layer's weights and KV cache as buffers of their own (`ModelConfig.decode_unroll`):
-# XLA:GPU then reads each in place, and its dot-merger fuses a layer's gate and up GEMMs (and q, k, v) into one
-# GEMM over the separate buffers; over stacked weights it copies every layer's slices out in every step.
-decode = jax.jit(_decode, static_argnames=("graphdef", "config", "bucket", "mesh"), donate_argnums=(2,))
+_DECODE_JIT = dict(static_argnames=("graphdef", "config", "bucket", "mesh"), donate_argnums=(2,))
+decode = jax.jit(_decode, **_DECODE_JIT)
+# The GPU engine's program (per-layer weights and KV cache, `ModelConfig.decode_unroll`, which XLA:GPU reads in
+# place) compiles without XLA:GPU's dot merger. The merger joins the dots that share an input (a layer's gate and
+# up projections; q, k and v) into one GEMM over the weights concatenated: at Qwen2.5-72B's widths on 8 × H100 it
+# copies the weights to concatenate them (a decode step 57.98 GB per device against 38.98 GB without it), while on
+# the other planned cells it saves at most 3% (`experiments/rollout/README.md`).
+GPU_DECODE_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
+decode_gpu = jax.jit(_decode, compiler_options=GPU_DECODE_OPTIONS, **_DECODE_JIT)
+
+
+def decode_program(slots: Slots):
+    """The jitted decode chunk (`decode`'s signature) for these slots: `decode_gpu` for a per-layer cache (the
+    engine's layout on GPUs, `ModelConfig.decode_unroll`), else `decode`."""
+    return decode_gpu if isinstance(slots.cache.k, tuple) else decode
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -223,6 +234,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
     K = prefill_lanes(config, B, R)
     slots, prompts, prompt_mask = start(graphdef, state, prompts, prompt_mask, config=config, num_slots=S,
                                          mesh=mesh)
+    step = decode_program(slots)
     waiting, done, t = 0, np.ones(S, bool), np.zeros(S, np.int64)
     while True:
         free = np.flatnonzero(done)
@@ -240,7 +252,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
         if done.all():
             break
         bucket = bucket_length(config, P, int(t[~done].max()))
-        slots = decode(graphdef, state, slots, key, config=config, bucket=bucket, mesh=mesh)
+        slots = step(graphdef, state, slots, key, config=config, bucket=bucket, mesh=mesh)
         done, t = _host(slots.done), _host(slots.t)
     return finish(slots, prompts, prompt_mask, config=config)
 

@@ -149,11 +149,12 @@ def test_an_fp8_matmul_counts_its_flops_and_bytes():
 def test_a_gpu_decode_step_reads_each_weight_and_the_cache_once():
     """The GPU engine's decode step (`ModelConfig.decode_unroll`: each layer's weights and KV cache [B, Hkv, S, hd]
     buffers of their own, the layers unrolled) against the hand count of a memory-bound step, every weight read once
-    plus the KV cache read once, for a 4-layer bf16 model. Structure: the loop makes no weight-shaped array (no
-    slice copied out; XLA:GPU's dot-merger fuses gate with up, and q, k, v, into GEMMs that read the separate
-    buffers), and no cache buffer is transposed into or out of it. Total: within 1.0–1.25× the hand count (1.20×
-    on jaxlib 0.10.2 and 0.12.0.1). The stacked layout (one weight and cache stack scanned over layers, the TPU
-    engine's) moves ≥ 2× as much on XLA:GPU (3.0×), which copies each layer's slices out in every step."""
+    plus the KV cache read once, for a 4-layer bf16 model (`slots.decode_gpu`, without XLA:GPU's dot merger).
+    Structure: the loop makes no weight-shaped array (no slice copied out, no weights concatenated), and no cache
+    buffer is transposed into or out of it. Total: within 1.0–1.35× the hand count (1.30× on jaxlib 0.10.2 and
+    0.12.0.1), the excess being XLA:GPU's split-K GEMMs for these 16-row products, which write float32 partial sums
+    and read them back. The stacked layout (one weight and cache stack scanned over layers, the TPU engine's)
+    moves ≥ 2× as much on XLA:GPU (3.0×), which copies each layer's slices out of the stacks in every step."""
     from flax import nnx
 
     from logra_jax.models.config import preset
@@ -181,8 +182,10 @@ def test_a_gpu_decode_step_reads_each_weight_and_the_cache_once():
                                                                mesh=None)[0], abstract, prompts))
         key = on(jax.eval_shape(lambda: jax.random.key(0)))
         assert isinstance(slots.cache.k, tuple) == config.decode_unroll
-        text = slots_lib.decode.lower(graphdef, state, slots, key, config=sampling, bucket=prompt_len + 448,
-                                      mesh=None).compile().as_text()
+        program = slots_lib.decode_program(slots)  # the per-layer program compiles without the dot merger
+        assert (program is slots_lib.decode_gpu) == config.decode_unroll
+        text = program.lower(graphdef, state, slots, key, config=sampling, bucket=prompt_len + 448,
+                             mesh=None).compile().as_text()
         return text, nbytes(state) + nbytes((slots.cache.k, slots.cache.v))
 
     (text, hand), (stacked_text, stacked_hand) = compiled(gpu), compiled(dataclasses.replace(gpu, decode_unroll=False))
@@ -196,5 +199,5 @@ def test_a_gpu_decode_step_reads_each_weight_and_the_cache_once():
     assert "transpose" not in entry and "copy-start" not in entry, "a cache buffer moved outside the loop"
     # one iteration of the decode loop (one step), the loop's trip count being unknown to the compiler
     ours, stacked = (hlo_cost(t).unknown_loop_iteration[1] for t in (text, stacked_text))
-    assert 1.0 <= ours / hand <= 1.25, (ours / hand, stacked / hand)
+    assert 1.0 <= ours / hand <= 1.35, (ours / hand, stacked / hand)
     assert stacked >= 2 * ours, (ours / hand, stacked / hand)

@@ -12,6 +12,7 @@ import pytest
 
 import logra_jax.train as train_mod
 from logra_jax.checkpoint import CheckpointError
+from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout.sync import flat_params
 from logra_jax.run_config import RunConfig
 from logra_jax.train import train_and_evaluate
@@ -52,11 +53,22 @@ def test_three_steps_end_to_end(tmp_path, optimizer, tiny_config, read_metrics):
 
 
 @pytest.mark.slow
-def test_sharded_run_with_reference_kl(tmp_path, tiny_config, read_metrics):
-    """A data=2 × fsdp=2 mesh with a reference-KL penalty: runs, stays finite, the engine stays in sync."""
+def test_sharded_run_with_reference_kl(tmp_path, monkeypatch, tiny_config, read_metrics):
+    """A data=2 × fsdp=2 mesh with a reference-KL penalty: runs, stays finite, the engine stays in sync. The engine
+    holds its weights per layer (`rollout.decode_layers`, the GPU layout; the other CPU runs hold them stacked)."""
     config = tiny_config(train={"steps": 2, "microbatches": 1, "mesh_data": 2, "mesh_fsdp": 2},
-                         algorithm={"kl_beta": 0.05}, rollout={"prompts_per_step": 4, "num_samples": 4})
+                         algorithm={"kl_beta": 0.05},
+                         rollout={"prompts_per_step": 4, "num_samples": 4, "decode_layers": "per_layer"})
+    layouts = []
+    build = engine_lib.DecodeLayout.__init__
+
+    def spy(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        layouts.append(self.config.decode_unroll)
+
+    monkeypatch.setattr(engine_lib.DecodeLayout, "__init__", spy)
     train_and_evaluate(config, tmp_path, reward_fn=_digit_fraction)  # rewards that differ: the first step learns
+    assert layouts == [True]
     steps = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert len(steps) == 2 and all(r["sync_resyncs"] == 0 for r in steps)
     assert all(math.isfinite(v) for r in steps for v in r.values())
