@@ -363,7 +363,7 @@ def _rollout_plans() -> Iterator[Quote]:
                          "h100:8 {:.2f}×", cells["7b@v5e:2x4"]["ratio_to_floor"], cells["27b@h100:8"]["ratio_to_floor"])
     yield from q(ROLLOUT, "the cell's {:.2f}× is that, diluted by the cache read. At 7B (t = 4) the cell is {:.2f}×",
                  cells["1.5b@h100:8"]["ratio_to_floor"], cells["7b@h100:8"]["ratio_to_floor"])
-    yield from q(ROLLOUT, "the dot merger back on (below) | {:.2f} | {:.2f} |",
+    yield from q(ROLLOUT, "an array of its own (below) | {:.2f} | {:.2f} |",
                  cells["27b@h100:8"]["decode_step"]["hbm_bytes"] / 1e9, cells["27b@h100:8"]["ratio_to_floor"])
 
 

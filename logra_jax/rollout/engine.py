@@ -96,6 +96,15 @@ def weight_bytes(config: ModelConfig) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(state))
 
 
+def _drop_leading(sharding: Any, ndim: int) -> Any:
+    """A NamedSharding of an [L, ...] array as the sharding of one of its [...] slices (the leading axis dropped);
+    None for another kind of sharding."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+
+
 class DecodeLayout:
     """Where and how the colocated engine holds the policy: the decode mesh, the engine's model (compute-dtype
     matrices), its abstract sharded state, and the cast + reshard that builds it from the trainer's leaves (the one
@@ -180,9 +189,10 @@ class DecodeLayout:
             def cast(tree: dict[str, Any]) -> dict[str, Any]:
                 out = {}
                 for p, x in tree.items():
-                    y = x.astype(self.leaves[self.sources[p][0][0]].dtype)
-                    y = y if ins[p] is None else jax.lax.with_sharding_constraint(y, ins[p])
-                    out.update({target: y if layer is None else y[layer] for target, layer in self.sources[p]})
+                    for target, layer in self.sources[p]:  # a layer cut out of the stack where it lies, then cast
+                        y = (x if layer is None else x[layer]).astype(self.leaves[target].dtype)
+                        where = ins[p] if layer is None or ins[p] is None else _drop_leading(ins[p], x.ndim)
+                        out[target] = y if where is None else jax.lax.with_sharding_constraint(y, where)
                 return out
             outs = {target: self.leaves[target].sharding for p in leaves for target, _ in self.sources[p]}
             self._casts[key] = jax.jit(cast, out_shardings=outs)
