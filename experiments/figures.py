@@ -335,6 +335,18 @@ def _fits() -> Iterator[Quote]:
     rows = fits.load_rows()
     for template, values in [fits.row_template(r) for r in rows] + [fits.tally_template(rows)]:
         yield from q(docs, template, *values)
+    # the H100 cells replanned with the per-layer GPU engine (the figures before it are from the cells' history)
+    cell = lambda name: _json(f"experiments/memory/fits_cells/{name}.json")
+    phase = lambda plan, name: next(p for p in plan["phases"] if p["name"] == name)
+    seven, seven_adamw = cell("7b,1gpu@h100_1@logra_kl"), cell("7b,1gpu@h100_1@adamw")
+    q = _quoter("experiments/memory/fits_cells/")
+    yield from q(MEMORY, "rollout peak rose from 31.06 to {:.2f} GiB, and a rollout's decode time on paper fell from "
+                         "348 s to {:.0f} s (the RL step from 487 s to {:.0f} s; AdamW's from 522 s to {:.0f} s)",
+                 phase(seven, "rollout")["total"] / GIB, phase(seven, "rollout")["time"]["est_seconds"],
+                 seven["rl_step"]["seconds"], seven_adamw["rl_step"]["seconds"])
+    yield from q(MEMORY, "the policy sync fell from 38.62 to {:.2f} GiB (72B LoGRA+KL) and from 17.40 to {:.2f}",
+                 phase(cell("72b@h100_8@logra_kl"), "policy sync")["total"] / GIB,
+                 phase(cell("qwen3-32b@h100_8@logra_kl"), "policy sync")["total"] / GIB)
 
 
 def _dropin() -> Iterator[Quote]:
