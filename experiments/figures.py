@@ -324,6 +324,12 @@ def _whole_job() -> Iterator[Quote]:
     yield from q(MEMORY, "LoGRA's peak is {:.2f}× AdamW-targets' here", peak(gemma) / peak(gemma_adamw))
     yield from q(MEMORY, "LoGRA's whole job fits at a peak of {:.2f} GiB (the rollout", peak(gemma))
     yield from q(MEMORY, "its peak is the policy sync, {:.2f} GiB", peak(logra7))
+    yield from q(MEMORY, "train step {:.2f}, policy sync {:.2f} (24.97 before", phase(gemma, "train step"),
+                 phase(gemma, "policy sync"))
+    # the table, row by row as whole_job.py writes it from the same file
+    table = _quoter("experiments/memory/whole_job.md")
+    for row in (ROOT / "experiments/memory/whole_job.md").read_text().splitlines()[2:]:
+        yield from table(MEMORY, row.replace("{", "{{").replace("}", "}}"))
 
 
 def _fits() -> Iterator[Quote]:
