@@ -182,7 +182,8 @@ class DecodeLayout:
         """The jitted cast + reshard of these trainer leaves (arrays or abstract, by path) into the engine's leaves
         they make (by engine path), built once per set of paths and input shardings: each leaf is cast where it
         lies, then moved in the engine's dtype (a bf16 engine moves half a float32 trainer's bytes, and no float32
-        copy is gathered); a per-layer engine's layers are cut out of the cast stack."""
+        copy is gathered); a per-layer engine cuts each layer out of the trainer's stack where it lies, then casts and
+        moves that layer alone (no whole stack is moved at once)."""
         ins = {p: getattr(x, "sharding", None) for p, x in leaves.items()}
         key = tuple((p, ins[p]) for p in leaves)
         if key not in self._casts:
