@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from logra_jax.derived_specs import full_spec
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model, layer_source
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
@@ -46,10 +47,12 @@ from logra_jax.sharding import MeshConfig, device_bytes, make_mesh, param_shardi
 from logra_jax.tree_paths import path_str
 
 
-def decode_config(config: ModelConfig, platform: str = "cpu") -> ModelConfig:
-    """The engine's model config: matrices stored in the compute dtype (norm scales and biases stay float32); on
-    GPUs one module per layer and the layers of a decode step unrolled (`ModelConfig.decode_unroll`)."""
-    return dataclasses.replace(config, param_dtype=config.dtype, decode_unroll=platform == "gpu")
+def decode_config(config: ModelConfig, platform: str = "cpu", per_layer: bool | None = None) -> ModelConfig:
+    """The engine's model config: matrices stored in the compute dtype (norm scales and biases stay float32); with
+    `per_layer` (None: on GPUs) one module per layer and the layers of a decode step unrolled
+    (`ModelConfig.decode_unroll`)."""
+    unroll = platform == "gpu" if per_layer is None else per_layer
+    return dataclasses.replace(config, param_dtype=config.dtype, decode_unroll=unroll)
 
 
 def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
@@ -98,11 +101,10 @@ def weight_bytes(config: ModelConfig) -> int:
 
 def _drop_leading(sharding: Any, ndim: int) -> Any:
     """A NamedSharding of an [L, ...] array as the sharding of one of its [...] slices (the leading axis dropped);
-    None for another kind of sharding."""
+    None for another kind of sharding, or none."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*full_spec(sharding.spec, ndim)[1:]))
 
 
 class DecodeLayout:
@@ -121,9 +123,7 @@ class DecodeLayout:
     def __init__(self, model_config: ModelConfig, mesh: Mesh, tensor: int = 0, per_layer: bool | None = None):
         self.tensor = tensor or default_decode_tensor(model_config, mesh)
         self.mesh = decode_mesh(mesh, self.tensor)
-        self.config = decode_config(model_config, mesh.devices.flat[0].platform)
-        if per_layer is not None:
-            self.config = dataclasses.replace(self.config, decode_unroll=per_layer)
+        self.config = decode_config(model_config, mesh.devices.flat[0].platform, per_layer)
         self.graphdef, abstract = nnx.split(abstract_model(self.config))
         shardings = param_shardings(abstract, self.mesh)
         self.abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
@@ -192,7 +192,7 @@ class DecodeLayout:
                 for p, x in tree.items():
                     for target, layer in self.sources[p]:  # a layer cut out of the stack where it lies, then cast
                         y = (x if layer is None else x[layer]).astype(self.leaves[target].dtype)
-                        where = ins[p] if layer is None or ins[p] is None else _drop_leading(ins[p], x.ndim)
+                        where = ins[p] if layer is None else _drop_leading(ins[p], x.ndim)
                         out[target] = y if where is None else jax.lax.with_sharding_constraint(y, where)
                 return out
             outs = {target: self.leaves[target].sharding for p in leaves for target, _ in self.sources[p]}

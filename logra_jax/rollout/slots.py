@@ -165,7 +165,7 @@ decode = jax.jit(_decode, **_DECODE_JIT)
 # place) compiles without XLA:GPU's dot merger. The merger joins the dots that share an input (a layer's gate and
 # up projections; q, k and v) into one GEMM over the weights concatenated: at Qwen2.5-72B's widths on 8 × H100 it
 # copies the weights to concatenate them (a decode step 57.98 GB per device against 38.98 GB without it), while on
-# the other planned cells it saves at most 3% (`experiments/rollout/README.md`).
+# the other five planned H100 cells it changes a step's bytes by −3.3% to +0.4% (`experiments/rollout/README.md`).
 GPU_DECODE_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 decode_gpu = jax.jit(_decode, compiler_options=GPU_DECODE_OPTIONS, **_DECODE_JIT)
 

@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+from logra_jax.derived_specs import full_spec
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model, layer_source
 from logra_jax.optim import apply_updates, logra
@@ -135,7 +136,7 @@ def test_a_per_layer_engine_holds_each_layer_of_the_trainers_stacks(trained):
         source, layer = layer_source(path)
         full = theirs[source]
         np.testing.assert_array_equal(_bits(mine), _bits(full if layer is None else full[layer]), err_msg=path)
-        spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+        spec = lambda x: tuple(full_spec(x.sharding.spec, x.ndim))
         assert spec(mine) == (spec(full) if layer is None else spec(full)[1:]), path
     # Shared: the replicated float32 final norm alone (the stacked engine also shares the blocks' norm stacks).
     norm = ours["final_norm.scale"]
