@@ -23,7 +23,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 WORKDIR ?= runs/demo
 
 # Compile-only environments (`make venv-tpu`, `make venv-cuda`): the real TPU and NVIDIA compilers, run
-# deviceless with JAX_PLATFORMS=cpu (logra_jax/aot.py). Never part of `make test`'s set-up; each is its own venv
+# deviceless with JAX_PLATFORMS=cpu (logra_jax/planner/aot.py). Never part of `make test`'s set-up; each is its own venv
 # so that the main one never probes for an accelerator.
 # The runtime lock for the interpreter: requirements.txt on Python 3.11 (python3 here and on CI), requirements-py312.txt
 # (jax 0.12, which needs 3.12) on 3.12 and later. `make test-py312` runs the suite on the second in .venv-py312.
@@ -120,7 +120,7 @@ venv-vllm: .venv-vllm/.installed-vllm
 		$$(grep -E '^pytest==' requirements-dev.txt)
 	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
-	.venv-vllm/bin/python -c "import vllm, logra_jax.rollout.vllm_server; print('vllm', vllm.__version__)"
+	.venv-vllm/bin/python -c "import vllm, logra_jax.rollout.vllm.server; print('vllm', vllm.__version__)"
 	du -sh .venv-vllm
 	touch $@
 

@@ -23,7 +23,7 @@ Quick: python -m logra_jax.main --config=configs/demo.py:runlocal --workdir=/tmp
 
 import ml_collections
 
-from logra_jax.run_config import RunConfig, check_variant
+from logra_jax.job.run_config import RunConfig, check_variant
 
 VARIANTS = ("", "runlocal")
 

@@ -28,7 +28,7 @@ The mesh is FSDP over every device (train.mesh_fsdp = -1). Plan the whole job be
 
 import ml_collections
 
-from logra_jax.run_config import RunConfig, check_variant
+from logra_jax.job.run_config import RunConfig, check_variant
 
 # Placement variants → the devices they are planned for (the microbatches follow from the count).
 PLACEMENTS = {"72b": 8, "72b,4chip": 4, "qwen3-32b": 8, "7b,1gpu": 1, "1.5b,1chip": 1}

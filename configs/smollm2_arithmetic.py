@@ -10,8 +10,8 @@ Quick: python -m logra_jax.main --config=configs/smollm2_arithmetic.py:runlocal 
 
 import ml_collections
 
+from logra_jax.job.run_config import RunConfig, check_variant
 from logra_jax.models.smollm2 import smollm2_gguf_path
-from logra_jax.run_config import RunConfig, check_variant
 
 VARIANTS = ("", "runlocal")
 

@@ -1,7 +1,7 @@
 """Sphinx configuration: the site is built from the repository's own Markdown and the code's docstrings.
 
 `make docs` builds it offline into docs/_build/html with warnings as errors. No extension downloads anything
-(no intersphinx); the configuration reference (configs.md) is generated from logra_jax/run_config.py's
+(no intersphinx); the configuration reference (configs.md) is generated from logra_jax/job/run_config.py's
 dataclasses at every build (_ext/config_reference.py).
 """
 

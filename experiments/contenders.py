@@ -6,8 +6,8 @@ it with the repository root on sys.path (`python -m`, or PYTHONPATH=. as experim
 
 from __future__ import annotations
 
+from logra_jax.job.run_config import OptimizerSection
 from logra_jax.models.config import ModelConfig, preset
-from logra_jax.run_config import OptimizerSection
 
 
 def contender_sections(rank: int = 256) -> dict[str, OptimizerSection]:

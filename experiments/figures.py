@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from logra_jax import aot
+from logra_jax.planner import aot
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2.0**30

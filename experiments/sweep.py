@@ -1,6 +1,6 @@
 """Run named variants of a config over seeds, side by side, and summarise them (shared by the RL experiments).
 
-Each run is `logra_jax.train.train_and_evaluate` in its own worker process (fresh JAX, one CPU device), `jobs` at a
+Each run is `logra_jax.job.train.train_and_evaluate` in its own worker process (fresh JAX, one CPU device), `jobs` at a
 time, in its own workdir (resumed if it already finished: delete `runs/` to start over). For every variant the
 summary holds, per seed: held-out greedy accuracy before/after RL, the SFT warm start's final loss (None without
 one, or from a run that did not record it), the last rewards, median step time, the process's peak RSS and the
@@ -71,8 +71,8 @@ def _run_one(config: dict[str, Any], workdir: str, step_memory: bool = True) -> 
     """Worker process: one run, then (step_memory) its compile-only step memory; returns the run's summary."""
     _exit_with_parent()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from logra_jax.run_config import RunConfig
-    from logra_jax.train import train_and_evaluate
+    from logra_jax.job.run_config import RunConfig
+    from logra_jax.job.train import train_and_evaluate
 
     summary_path = Path(workdir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else train_and_evaluate(config,
@@ -85,9 +85,9 @@ def _step_bytes(run: Any, workdir: str) -> int:
     """Per-device bytes (argument + output + temp − alias) of this run's train step, compile-only."""
     import jax
 
-    from logra_jax import sharding as shd
-    from logra_jax.builders import build_model
-    from logra_jax.memory_analysis import rl_step_memory
+    from logra_jax.job.builders import build_model
+    from logra_jax.parallel import sharding as shd
+    from logra_jax.planner.memory_analysis import rl_step_memory
 
     model, _ = build_model(run.model)
     prompt_len = json.loads((Path(workdir) / "summary.json").read_text()).get("prompt_length")

@@ -23,16 +23,17 @@ import traceback
 
 import jax
 
-from logra_jax.extras import requires_extra
+from logra_jax.core.extras import requires_extra
 
 with requires_extra("rl", "logra_jax.main"):
     from absl import app, flags, logging
     from ml_collections import config_flags
 
-    from logra_jax import multihost, train
-    from logra_jax.checkpoint import CheckpointError
-    from logra_jax.lifecycle import RunPreempted
-    from logra_jax.metrics import NonFiniteMetricError
+    from logra_jax.job import train
+    from logra_jax.job.checkpoint import CheckpointError
+    from logra_jax.job.lifecycle import RunPreempted
+    from logra_jax.job.metrics import NonFiniteMetricError
+    from logra_jax.parallel import multihost
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots (resumed if present).")

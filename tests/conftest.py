@@ -2,7 +2,7 @@
 code generation at LLVM -O0 without threads of its own (`SERIAL_CPU`), and a persistent compilation cache for the
 session, off unless a test folder turns it on (tests/train/conftest.py).
 
-The cheap code generation is `logra_jax.sharding.FAST_CPU_COMPILE` as XLA_FLAGS (each flag unless XLA_FLAGS
+The cheap code generation is `logra_jax.parallel.sharding.FAST_CPU_COMPILE` as XLA_FLAGS (each flag unless XLA_FLAGS
 already sets it): XLA's HLO passes (fusion, layout, scheduling) run as always; LLVM does not optimise the generated
 kernels and, up to jaxlib 0.11.0 (`sharding.CPU_LOOP_EMITTERS`), the classic loop emitters replace the fusion
 emitters. The tests' programs are small and each is compiled once, so compiling dominates their time: a tiny RL
@@ -35,7 +35,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 import jax  # after the JAX_* variables, which jax reads at import
 import pytest
 
-from logra_jax.sharding import FAST_CPU_COMPILE, xla_flags
+from logra_jax.parallel.sharding import FAST_CPU_COMPILE, xla_flags
 
 # XLA:CPU without threads of its own: make test runs three workers on two cores, so a compile's parallel code
 # generation (the module split in parts, compiled on a thread pool) and Eigen's intra-op thread pool only add

@@ -1,8 +1,8 @@
-"""The configuration reference, generated from logra_jax/run_config.py at every docs build.
+"""The configuration reference, generated from logra_jax/job/run_config.py at every docs build.
 
 Every field of every `RunConfig` section is listed with its type, its default (both read from the dataclasses)
 and its meaning. The meaning is FIELD_MEANINGS' entry for "section.field" — where `{NAME}` stands for the
-registry tuple `logra_jax.run_config.NAME`, so the allowed values are the code's own — or, for a field without an
+registry tuple `logra_jax.job.run_config.NAME`, so the allowed values are the code's own — or, for a field without an
 entry, the clause of its section's docstring that names it. A field with neither stops the build
 (`missing_meanings`, checked by tests/docs/test_docs_config_reference.py in `make test` too), and so does an
 entry for a field that no longer exists: the reference cannot drift from the code.
@@ -164,7 +164,7 @@ FIELD_MEANINGS: dict[str, str] = {
 
 
 def _run_config() -> types.ModuleType:
-    return importlib.import_module("logra_jax.run_config")
+    return importlib.import_module("logra_jax.job.run_config")
 
 
 def _registries(module: types.ModuleType) -> dict[str, str]:

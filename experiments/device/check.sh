@@ -44,7 +44,7 @@ if { [ "$smoke" = 0 ] || [ "$wheels" = 1 ]; } && compgen -G "$whl/*.whl" > /dev/
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/logra-site \
     "$whl"/*.whl >> "$log" 2>&1 || say "wheel install FAILED (see log.txt)"
   # our pins of flax/optax first; if they do not import under this jax, only what the image lacks
-  if ! PYTHONPATH="/tmp/logra-site:$PYTHONPATH" "$py" -c "import logra_jax.optimizers" >> "$log" 2>&1; then
+  if ! PYTHONPATH="/tmp/logra-site:$PYTHONPATH" "$py" -c "import logra_jax.job.optimizer_plan" >> "$log" 2>&1; then
     say "pinned flax/optax do not import here: using the image's, with ml-collections and gguf only"
     mkdir -p /tmp/logra-site-min && cp -r /tmp/logra-site/ml_collections* /tmp/logra-site/gguf* /tmp/logra-site-min/
     export PYTHONPATH="/tmp/logra-site-min:$PYTHONPATH"

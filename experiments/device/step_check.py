@@ -164,9 +164,9 @@ def child(name: str, smoke: bool, steps: int, emit: Any) -> dict[str, Any]:
     import optax
 
     from experiments.contenders import contender_sections
-    from logra_jax import sharding as shd
-    from logra_jax.memory_analysis import build_rl_step
-    from logra_jax.train_step import step_shardings
+    from logra_jax.job.train_step import step_shardings
+    from logra_jax.parallel import sharding as shd
+    from logra_jax.planner.memory_analysis import build_rl_step
 
     s = settings(smoke)
     device = jax.local_devices()[0]

@@ -3,7 +3,7 @@
   python experiments/device/sync_check.py --out sync.json            # Qwen2.5-1.5B on the GPU (check.sh runs it)
   python experiments/device/sync_check.py --out sync.json --smoke    # tiny model (the tests, CPU), < 15 s
 
-What the training loop (logra_jax.train) does, on one device: the RL train step of sketch-native LoGRA with the
+What the training loop (logra_jax.job.train) does, on one device: the RL train step of sketch-native LoGRA with the
 predicted-KL probe (the run config's section from `experiments.contenders.contender_sections`, rank 256, 2
 probe sequences; the step from `build_rl_step(..., return_updates=True)`, jitted with shardings and the state
 donated) on random rollout batches returns the update tree it merged (LowRankUpdate leaves for the targets);
@@ -97,16 +97,16 @@ def run(s: dict[str, Any], updates: int, report: dict[str, Any], save: Any, say:
     from flax import nnx
 
     from experiments.contenders import contender_sections
-    from logra_jax import sharding as shd
-    from logra_jax.fingerprint import tree_fingerprint
-    from logra_jax.memory_analysis import build_rl_step
+    from logra_jax.core.fingerprint import tree_fingerprint
+    from logra_jax.job.optimizer_plan import build_optimizer
+    from logra_jax.job.train_step import step_shardings
     from logra_jax.models.decoder import init_model
     from logra_jax.optim.lowrank import is_lowrank
-    from logra_jax.optimizers import build_optimizer
+    from logra_jax.parallel import sharding as shd
+    from logra_jax.planner.memory_analysis import build_rl_step
     from logra_jax.rollout.sampling import SamplingConfig
     from logra_jax.rollout.sync import PolicySync, flat_params
     from logra_jax.rollout.worker import InProcessTransport
-    from logra_jax.train_step import step_shardings
 
     device = jax.local_devices()[0]
     report.update(device=device.device_kind, platform=device.platform, jax=jax.__version__,

@@ -12,7 +12,7 @@ optim = logra_jax.optim):
 LoGRA's settings are those of the model's config (optimizer.rank, variant, update_ratio, round_bf16, ...) in
 dense-gradient mode without the predicted-KL controller; default target rules, non-targets frozen. Params and
 optimizer state are donated. The step is lowered from ShapeDtypeStructs and compiled (nothing is allocated) by the
-project's `logra_jax.memory_analysis.step_memory`: per-device bytes = argument + output + temp − alias.
+project's `logra_jax.planner.memory_analysis.step_memory`: per-device bytes = argument + output + temp − alias.
 
   python -m experiments.dropin.memory                 # → results.json, memory.png and a table, here; ~30 s
 """
@@ -39,14 +39,14 @@ import optax
 from flax import nnx
 
 from experiments.sweep import load_config
-from logra_jax import sharding as shd
-from logra_jax.memory_analysis import step_memory
+from logra_jax.job.optimizer_plan import build_optimizer
+from logra_jax.job.run_config import OptimizerSection
+from logra_jax.job.train_step import TrainState
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model, init_model
 from logra_jax.optim import apply_updates, find_targets, logra
-from logra_jax.optimizers import build_optimizer
-from logra_jax.run_config import OptimizerSection
-from logra_jax.train_step import TrainState
+from logra_jax.parallel import sharding as shd
+from logra_jax.planner.memory_analysis import step_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {  # results key → (preset, config file, config argument): the rank and LoGRA settings come from the config

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from logra_jax.job.train_step import next_token_loss
 from logra_jax.models import load
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
@@ -30,7 +31,6 @@ from logra_jax.native.kl_probe import predicted_and_realised_kl
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.lowrank_scale import scale_updates
-from logra_jax.train_step import next_token_loss
 
 HERE = Path(__file__).parent
 RATIOS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)

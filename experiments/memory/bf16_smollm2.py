@@ -109,7 +109,7 @@ def _measuring(step_fn: Callable[..., Any], path: Path) -> Callable[..., Any]:
 
 def run_measured(config: dict[str, Any], workdir: str, step_memory: bool = False) -> dict[str, Any]:
     """Worker process (`run_sweep(worker=...)`): one run whose train step is wrapped by `_measuring`."""
-    import logra_jax.train as train
+    import logra_jax.job.train as train
     from experiments.sweep import _run_one
 
     build = train._trainer

@@ -41,10 +41,10 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from logra_jax import sharding as shd
-from logra_jax.memory_analysis import rl_step_memory
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model
+from logra_jax.parallel import sharding as shd
+from logra_jax.planner.memory_analysis import rl_step_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: experiments.contenders
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -412,12 +412,12 @@ def breakdown(dump: Dump, memory: dict[str, int], shapes: Shapes) -> tuple[dict[
 
 def measure(model: str, devices: int, optimizer: str, show: int = 0, target: str = "cpu") -> dict[str, int]:
     """One cell: compile as run.py does, with dumps, and name every byte (`target`: a compile-only chip of
-    `logra_jax.aot`, e.g. "h100" under .venv-cuda; default the fake CPU devices)."""
+    `logra_jax.planner.aot`, e.g. "h100" under .venv-cuda; default the fake CPU devices)."""
     start = time.perf_counter()
     if target == "cpu":
         mesh = shd.make_mesh(shd.MeshConfig(fsdp=-1), jax.devices()[:devices])
     else:
-        from logra_jax import aot
+        from logra_jax.planner import aot
 
         mesh = aot.mesh(aot.target_for(target, devices), shd.MeshConfig(fsdp=-1))
     section = run.OPTIMIZER_SECTIONS[optimizer]
@@ -517,7 +517,8 @@ def main() -> None:
     parser.add_argument("--show", type=int, default=0, help="print the largest N buffers live at each peak")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     parser.add_argument("--target", default="cpu",
-                        help="a compile-only chip (logra_jax.aot), e.g. h100 under .venv-cuda with JAX_PLATFORMS=cpu")
+                        help="a compile-only chip (logra_jax.planner.aot), e.g. h100 under .venv-cuda with "
+                             "JAX_PLATFORMS=cpu")
     parser.add_argument("--baseline", metavar="JSON:LABEL",
                         help="also show the cells of an earlier run's breakdown_classes.json (e.g. an older "
                              "revision's), as '<optimizer> [LABEL]' beside this run's")

@@ -8,15 +8,15 @@ XLA's memory analysis gives per-device bytes = arguments + outputs + temporaries
   python experiments/memory/run.py          # all models × meshes × optimizers → results.json, memory.png, table
 
 With --target the same steps are compiled by a real accelerator compiler for compile-only devices
-(logra_jax.aot), each optimizer with implementation="xla" and, for LoGRA, "pallas"; a step that does not fit is
+(logra_jax.planner.aot), each optimizer with implementation="xla" and, for LoGRA, "pallas"; a step that does not fit is
 kept with the bytes the compiler says it needs:
   JAX_PLATFORMS=cpu .venv-tpu/bin/python experiments/memory/run.py --target v5e --models Qwen2.5-Math-7B --devices 4
   JAX_PLATFORMS=cpu .venv-cuda/bin/python experiments/memory/run.py --target h100 --devices 4
   .venv/bin/python experiments/memory/run.py --tables    # README tables and targets.png from targets/*.json
 
 Optimizers (one step of each, the training loop's own step and RL objective: REINFORCE + TIS on the response
-tokens, log-probs in chunks; built by logra_jax.optimizers from run-config sections, measured by
-logra_jax.memory_analysis.rl_step_memory):
+tokens, log-probs in chunks; built by logra_jax.job.optimizer_plan from run-config sections, measured by
+logra_jax.planner.memory_analysis.rl_step_memory):
   adamw                 optax.adamw on every parameter (dense gradients, two dense moments).
   adamw_targets         optax.adamw on exactly LoGRA's targets, everything else frozen (like for like).
   galore                optax.contrib GaLore (rank 256, Adam inside) on the attention/MLP kernels, one layer at a
@@ -53,10 +53,10 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: experiments.contenders
 from experiments.contenders import contender_sections, paper_numerics
-from logra_jax import aot
-from logra_jax import sharding as shd
-from logra_jax.memory_analysis import rl_step_memory
-from logra_jax.plan import parse_oom
+from logra_jax.parallel import sharding as shd
+from logra_jax.planner import aot
+from logra_jax.planner.memory_analysis import rl_step_memory
+from logra_jax.planner.plan import parse_oom
 
 MODELS = {  # results key → preset
     "SmolLM2-135M": "smollm2-135m",
@@ -74,7 +74,7 @@ RANK = 256
 LOGPROB_CHUNK = 512
 GIB = 2.0 ** 30
 
-# The optimizers compared, as a run config would name them (logra_jax.optimizers builds them).
+# The optimizers compared, as a run config would name them (logra_jax.job.optimizer_plan builds them).
 OPTIMIZER_SECTIONS = contender_sections(RANK)
 
 
@@ -295,7 +295,7 @@ def _roofline(cell: dict[str, Any]) -> aot.Roofline:
 
 def cost_table(folder: Path) -> str:
     """Markdown: per-device flops, HBM bytes and collective bytes of each compiled step with every loop iteration
-    counted (`logra_jax.hlo_cost`), the compiler's own flop count beside it (loop bodies once), and the roofline
+    counted (`logra_jax.planner.hlo_cost`), the compiler's own flop count beside it (loop bodies once), and the roofline
     (`aot.roofline`: max(F / peak bf16 FLOP/s, B / HBM bandwidth) + C / link bandwidth), with its ratio to AdamW
     and to AdamW on LoGRA's targets."""
     lines = ["| target | model @ devices | optimizer | impl | GFLOP | XLA's GFLOP (loops once) | HBM GB | "

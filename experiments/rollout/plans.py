@@ -8,7 +8,7 @@ r"""One decode step and the whole rollout of the paper's recipe on paper, by the
 Each cell is `python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:SIZE --target=TARGET --phases rollout
 --json ...` (prompts of 512 tokens, responses ≤ 3,072, 256 prompts in 32 slots), run with the target's
 compiler: the engine's programs in its decode layout, the decode step's per-device HBM and collective bytes from
-the compiled HLO (`logra_jax.hlo_cost`), its time by `aot.roofline`, beside the floor (the engine's weights /
+the compiled HLO (`logra_jax.planner.hlo_cost`), its time by `aot.roofline`, beside the floor (the engine's weights /
 devices + the KV cache read / devices, at HBM bandwidth), and the rollout of one RL step with every response at
 its budget. Writes experiments/rollout/plans.{json,md,png} and each cell's plan JSON under plans/.
 """

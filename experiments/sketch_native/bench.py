@@ -5,7 +5,7 @@
 
 Memory (compile-only, nothing allocated; experiments/memory/run.py's setting and optimizers): one 4096-token
 sequence per device, bf16 compute, fp32 weights, full remat, FSDP over 4 and 8 fake CPU devices, rank 256;
-per-device bytes = argument + output + temp − alias (`logra_jax.sharding.step_memory`) for SmolLM2-135M and
+per-device bytes = argument + output + temp − alias (`logra_jax.parallel.sharding.step_memory`) for SmolLM2-135M and
 Qwen2.5-Math-1.5B shapes:
   adamw                 optax.adamw on every parameter (dense gradients, two dense moments)
   logra_dense_grad      logra(rank=256) fed by dense gradients of the targets (non-targets frozen)
@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import NON_TARGET_LABEL, TARGET_LABEL, SketchSpec, find_targets, logra, target_labels
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # experiments/memory/run.py is imported (in worker processes) as a module

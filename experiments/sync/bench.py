@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from logra_jax.core.tree_paths import path_str
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model, init_model
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
@@ -42,7 +43,6 @@ from logra_jax.optim.targets import find_targets
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.sync import PolicySync, SyncPayload, TargetFactor, flat_params, snapshot_payload
 from logra_jax.rollout.worker import InProcessTransport, WorkerProcessTransport
-from logra_jax.tree_paths import path_str
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b", "dense-27b")

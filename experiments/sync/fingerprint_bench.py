@@ -1,4 +1,4 @@
-"""Time the one fingerprint (logra_jax.fingerprint.tree_fingerprint) against the two it replaced, interleaved.
+"""Time the one fingerprint (logra_jax.core.fingerprint.tree_fingerprint) against the two it replaced, interleaved.
 
 The old implementations (transport/sync.py's weight_fingerprint, checkpoint.py's _leaf_fingerprints) are loaded
 from commit dce1b86 with `git show`; the new values are checked equal to the old checkpoint's (the persisted
@@ -21,7 +21,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from logra_jax.fingerprint import tree_fingerprint  # noqa: E402
+from logra_jax.core.fingerprint import tree_fingerprint  # noqa: E402
 
 OLD = "dce1b86"
 
@@ -42,7 +42,7 @@ def main() -> None:
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 15
     with tempfile.TemporaryDirectory() as tmp:
         old_sync = _old_module("old_sync", "logra_jax/rollout/sync.py", Path(tmp))
-        old_ckpt = _old_module("old_checkpoint", "logra_jax/checkpoint.py", Path(tmp))
+        old_ckpt = _old_module("old_checkpoint", "logra_jax/job/checkpoint.py", Path(tmp))
     fns = {"old sync weight_fingerprint": old_sync.weight_fingerprint,
            "old checkpoint _leaf_fingerprints": lambda t: old_ckpt._leaf_fingerprints(jax.tree.leaves(t)),
            "tree_fingerprint": tree_fingerprint}

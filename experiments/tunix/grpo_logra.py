@@ -43,9 +43,9 @@ from tunix.rl.grpo import grpo_learner as grpo_lib
 from tunix.rl.rollout import base_rollout
 from tunix.tests import test_common as tc
 
+from logra_jax.core.tree_paths import path_str
 from logra_jax.optim import logra
 from logra_jax.optim.targets import MatrixDims, TargetRule, find_targets
-from logra_jax.tree_paths import path_str
 
 GEMMA3_RULES = (
     TargetRule(r"attn\.q_einsum\.w$", MatrixDims(rows=(0, 2), width=(1,))),

@@ -61,7 +61,7 @@ def run(engine: str, seed: int, runs: Path = RUNS, steps: int | None = None, **v
     config["train"] = {**config["train"], "seed": seed, **({"steps": steps} if steps else {})}
     if engine == "vllm":
         _record_syncs(workdir / "sync.jsonl")
-    from logra_jax.train import train_and_evaluate
+    from logra_jax.job.train import train_and_evaluate
 
     return train_and_evaluate(config, workdir)
 
@@ -72,7 +72,7 @@ def _record_syncs(path: Path) -> None:
     import jax
     import numpy as np
 
-    import logra_jax.rollout.vllm_engine as vllm_engine
+    import logra_jax.rollout.vllm.engine as vllm_engine
     from logra_jax.rollout.sync import flat_params
 
     def write(kind: str, report: Any, params: Any, engine: vllm_engine.VLLMEngine, probe_s: float) -> None:

@@ -40,7 +40,7 @@ def vllm_run(name: str, reps: int, python: str = str(VLLM_PYTHON), dtype: str = 
 
     from logra_jax.models.hf import export
     from logra_jax.rollout.sampling import SamplingConfig
-    from logra_jax.rollout.vllm_engine import VLLMEngine, VLLMSettings
+    from logra_jax.rollout.vllm.engine import VLLMEngine, VLLMSettings
 
     model, prompts, mask, n, budget, eos = bench._case(name)
     rows = prompts.shape[0] * n

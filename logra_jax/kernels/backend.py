@@ -96,10 +96,10 @@ def compiling_for(devices: Any) -> Iterator[KernelTarget]:
     """Kernels traced inside the block are chosen for `devices` (device(s), a Mesh or a KernelTarget).
 
     Enter it around tracing/lowering (`jax.jit(f).lower(...)`), or inside the function being jitted;
-    `logra_jax.sharding.jit_train_step` enters it for its mesh, so a step lowered for compile-only TPU or GPU
-    devices (logra_jax.aot) gets those platforms' kernels on a CPU host. jit's cache keys on the arguments and
+    `logra_jax.parallel.sharding.jit_train_step` enters it for its mesh, so a step lowered for compile-only TPU or GPU
+    devices (logra_jax.planner.aot) gets those platforms' kernels on a CPU host. jit's cache keys on the arguments and
     their shardings, not on this context: lower for a target with arguments placed on its devices (as
-    `jit_train_step` and logra_jax.aot do), or use a fresh function. For a GPU it also names the device kind to
+    `jit_train_step` and logra_jax.planner.aot do), or use a fresh function. For a GPU it also names the device kind to
     the Triton lowering (`_naming_gpu`).
     """
     target = target_of(devices)
@@ -276,7 +276,7 @@ def block_or(value: Any, default: int) -> Any:
 def cost_estimate(flops: int, *arrays: Any) -> pl.CostEstimate:
     """A kernel's declared cost: its matmul flops and the bytes of its inputs and outputs (`arrays`: arrays or
     ShapeDtypeStructs). The TPU compiler keeps it on the kernel's custom call, where XLA's cost analysis and
-    `logra_jax.hlo_cost` read it (a Pallas call is otherwise opaque to both).
+    `logra_jax.planner.hlo_cost` read it (a Pallas call is otherwise opaque to both).
 
     Example:
       >>> c = cost_estimate(2 * 4 * 8 * 16, jax.ShapeDtypeStruct((4, 8), jnp.float32))

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from logra_jax.extras import requires_extra
+from logra_jax.core.extras import requires_extra
 
 with requires_extra("rl", "logra_jax.models"):
     from logra_jax.models.config import PRESETS, ModelConfig, preset

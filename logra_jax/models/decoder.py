@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from logra_jax.core.tree_paths import path_str
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.layers import MLP, Attention, Linear, RMSNorm, write_rows
-from logra_jax.sharding import constrain, param_shardings
-from logra_jax.tree_paths import path_str
+from logra_jax.parallel.sharding import constrain, param_shardings
 
 # Logical axes of the cache's k / v [L, B, S, Hkv, hd]: rows over the batch axes, KV heads over tensor.
 KV_AXES = ("layers", "batch", "length", "act_kv_heads", None)

@@ -1,7 +1,7 @@
 """Decoder building blocks: RMSNorm, Linear, RoPE, grouped-query attention (optionally sliding-window) and the
 gated MLP.
 
-Parameters are float32 and carry logical axis names in their `axes` metadata (see logra_jax.sharding).
+Parameters are float32 and carry logical axis names in their `axes` metadata (see logra_jax.parallel.sharding).
 A module built with `stack=L` holds L layers' parameters stacked on a leading "layers" axis; the decoder scans
 over that axis and calls the module on one layer's slice, so the same `__call__` serves both.
 """
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.sharding import constrain
+from logra_jax.parallel.sharding import constrain
 
 
 def write_stacked_rows(stack: jax.Array, layer: jax.Array | None, rows: jax.Array, index: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ The optax transformations in logra_jax.optim know no model; this package is wher
   tangent hooks) and the realised KL; `optim.predicted_kl.scale_by_predicted_kl` turns q into the step scale.
 """
 
-from logra_jax.extras import requires_extra
+from logra_jax.core.extras import requires_extra
 
 with requires_extra("rl", "logra_jax.native"):
     from logra_jax.native.kl_probe import make_kl_probe, predicted_and_realised_kl, realised_kl

@@ -6,7 +6,7 @@
 δz is the JVP of the logits along the update, computed in factored form by the sketch-native hooks in tangent
 mode (`sketch_probes.sketching(step, kind="tangent")`): δy = (X Aᵀ) Uᵀ at every target, never a dense ΔW. The
 optax transform that turns q into a step scale is `logra_jax.optim.predicted_kl.scale_by_predicted_kl`; the
-train step (`logra_jax.train_step`) hands it the probe built here.
+train step (`logra_jax.job.train_step`) hands it the probe built here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flax import nnx
 
 from logra_jax.native.sketch_probes import SketchProbe, sketching
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
-from logra_jax.sharding import batch_shards
+from logra_jax.parallel.sharding import batch_shards
 
 
 def kl_quadratic(logits: jax.Array, dlogits: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -112,7 +112,7 @@ def lowrank_factors(updates: Any) -> dict[str, jax.Array]:
 
 def probe_passes(rows: int, passes: int | None = None) -> int:
     """How many sequential passes the probe's `rows` are split into: `passes`, or by default (None) one probe
-    row per batch shard per pass (`logra_jax.sharding.batch_shards` under the active rules), so a device holds
+    row per batch shard per pass (`logra_jax.parallel.sharding.batch_shards` under the active rules), so a device holds
     the JVP's activations of one response at a time whatever the number of probe responses (the largest
     divisor of `rows` up to rows / shards when the shards do not divide the rows).
 

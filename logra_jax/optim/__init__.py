@@ -12,6 +12,7 @@ Seed plumbing (path digests, per-layer keys) stays in `logra_jax.optim.projectio
 predicted-KL probe, which need a model, are in `logra_jax.native`.
 """
 
+from logra_jax.core.tree_paths import path_keys, path_str
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, logra, target_labels
 from logra_jax.optim.lowrank import (
     MISUSE_ADVICE,
@@ -45,7 +46,6 @@ from logra_jax.optim.targets import (
     match_target,
 )
 from logra_jax.optim.update_ratio import scale_by_update_ratio, update_ratio_factor
-from logra_jax.tree_paths import path_keys, path_str
 
 __all__ = [
     "DEFAULT_TARGET_RULES",

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 import optax
 
+from logra_jax.core.tree_paths import path_keys
 from logra_jax.kernels.backend import Implementation
 from logra_jax.optim.lowrank import MISUSE_ADVICE, is_lowrank, is_lowrank_aware
 from logra_jax.optim.lowrank_scale import (
@@ -60,7 +61,6 @@ from logra_jax.optim.sketch import scale_by_sketch
 from logra_jax.optim.spec import SketchSpec, build_spec
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules, match_target
 from logra_jax.optim.update_ratio import scale_by_update_ratio
-from logra_jax.tree_paths import path_keys
 
 TARGET_LABEL = "logra"
 NON_TARGET_LABEL = "non_target"

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from logra_jax.core.tree_paths import path_str
 from logra_jax.optim.row_adam import VARIANTS, Variant, row_adam_direction
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
@@ -29,7 +30,6 @@ from logra_jax.optim.targets import (
     place_replicated,
     zero_row_moments,
 )
-from logra_jax.tree_paths import path_str
 
 
 class DenseRowAdamState(NamedTuple):

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from logra_jax.core.tree_paths import path_keys, path_str
 from logra_jax.optim.lowrank import LowRankUpdate, _Draw, is_lowrank, mark_lowrank_aware, slice_projection
 from logra_jax.optim.projection import digest_words
 from logra_jax.optim.row_adam import _nest
@@ -56,7 +57,6 @@ from logra_jax.optim.targets import (
     place_replicated,
     place_rows,
 )
-from logra_jax.tree_paths import path_keys, path_str
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Relative ridge of the transfer's solve: λ = RIDGE · tr(A Aᵀ)/r (tr(A Aᵀ)/r = k/r for Rademacher).

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.giles import ERFINV_GE5, ERFINV_LT5
+from logra_jax.core.giles import ERFINV_GE5, ERFINV_LT5
 from logra_jax.optim.targets import Target
 
 Distribution = Literal["rademacher", "gaussian"]
@@ -163,7 +163,7 @@ def check_projection_args(rank: int, distribution: str) -> None:
 
 
 # jax 0.12.1 lowers erf_inv to a more accurate piecewise polynomial by default (its Gaussian draws were up to 76 ulp
-# from Giles' in tests/vllm/test_torch_projection.py). Written out here (`logra_jax.giles`), a Gaussian A is the
+# from Giles' in tests/vllm/test_torch_projection.py). Written out here (`logra_jax.core.giles`), a Gaussian A is the
 # same on every JAX version (a checkpoint resumes with the projections it was trained with) and the PyTorch port
 # repeats the same operations.
 def giles_erfinv(x: jax.Array) -> jax.Array:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from logra_jax.core.tree_paths import path_keys
 from logra_jax.kernels.backend import Implementation, check_kernel_settings
 from logra_jax.kernels.row_moment import row_moment
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
@@ -38,7 +39,6 @@ from logra_jax.optim.targets import (
     place_replicated,
     zero_row_moments,
 )
-from logra_jax.tree_paths import path_keys
 
 Variant = Literal["paper", "nemo", "sgd"]
 VARIANTS: tuple[str, ...] = ("paper", "nemo", "sgd")

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from logra_jax.core.tree_paths import path_keys
 from logra_jax.kernels.backend import Implementation
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank, slice_projection, to_slices
 from logra_jax.optim.projection import Distribution, digest_words
@@ -26,7 +27,6 @@ from logra_jax.optim.targets import (
     match_target,
     place_replicated,
 )
-from logra_jax.tree_paths import path_keys
 
 
 class SketchState(NamedTuple):

@@ -178,7 +178,7 @@ def sketch_spec(opt_state: Any) -> SketchSpec | None:
 def state_targets(opt_state: Any, params: Any) -> dict[str, Target]:
     """{canonical path: Target} of the parameters whose per-target state the optimizer keeps (the rules of each
     SketchSpec or DeclaredTargets in `opt_state`; {} when there is none): the declared layouts that state is
-    sharded by (`logra_jax.sharding.opt_state_shardings(..., targets=)`, the same `Target.state_spec` an eager
+    sharded by (`logra_jax.parallel.sharding.opt_state_shardings(..., targets=)`, the same `Target.state_spec` an eager
     `init` on sharded parameters places the row moments by).
 
     Args:

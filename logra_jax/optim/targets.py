@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from logra_jax.derived_specs import follow_spec, full_spec
-from logra_jax.tree_paths import path_keys, path_str
+from logra_jax.core.tree_paths import path_keys, path_str
+from logra_jax.parallel.derived_specs import follow_spec, full_spec
 
 
 def _normalise_axes(axes: Sequence[int], ndim: int) -> tuple[int, ...] | None:
@@ -190,8 +190,8 @@ class Target:
         The kernel's own shape takes its spec. Per-row state (*batch_shape, *rows_shape, *own dims: the row
         moment, a sketch, a factor, a sketch probe) keeps the batch and row axes' mesh axes, and the width's mesh
         axes move onto the rows (then the batch axes, then the own dims) where they divide
-        (`logra_jax.derived_specs.follow_spec`), so the state is split as finely as the kernel: the same spec
-        eagerly (`place_rows`) and under jit (`logra_jax.sharding.opt_state_shardings`).
+        (`logra_jax.parallel.derived_specs.follow_spec`), so the state is split as finely as the kernel: the same spec
+        eagerly (`place_rows`) and under jit (`logra_jax.parallel.sharding.opt_state_shardings`).
 
         Returns:
           The PartitionSpec, or None when `shape` is neither the kernel's nor laid out per row.
@@ -347,7 +347,7 @@ def place_rows(x: jax.Array, target: Target, weight: Any) -> jax.Array:
 
     Only concrete weights carrying a NamedSharding are followed (an eager `init` on sharded parameters); under
     jit or eval_shape `x` is returned unchanged and its sharding comes from the caller's out_shardings
-    (`logra_jax.sharding.opt_state_shardings` with the targets, which uses the same `Target.state_spec`).
+    (`logra_jax.parallel.sharding.opt_state_shardings` with the targets, which uses the same `Target.state_spec`).
     """
     sharding = _named_sharding(weight)
     if sharding is None:

@@ -30,7 +30,7 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
 POLICIES: tuple[str, ...] = ("ppo", "reinforce")
 # The aux-metric key under which a loss function reports its normaliser (`aggregation_denominator`): a
-# microbatched train step sums it over microbatches and normalises once (logra_jax.train_step.accumulate_grads).
+# microbatched train step sums it over microbatches and normalises once (logra_jax.job.train_step.accumulate_grads).
 LOSS_DENOMINATOR = "loss_denominator"
 
 

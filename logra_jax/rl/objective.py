@@ -1,4 +1,4 @@
-"""The policy-gradient objective on a batch of rollouts, as a loss function for logra_jax.train_step.
+"""The policy-gradient objective on a batch of rollouts, as a loss function for logra_jax.job.train_step.
 
 Batch fields (rows = responses, fixed prompt length P):
   tokens [N, P + G] int32 ([left-padded prompt | response]), attention_mask [N, P + G],

@@ -37,14 +37,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax.derived_specs import full_spec
+from logra_jax.core.tree_paths import path_str
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model, layer_source
+from logra_jax.parallel.derived_specs import full_spec
+from logra_jax.parallel.sharding import MeshConfig, device_bytes, make_mesh, param_shardings
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.slots import generate
 from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params
-from logra_jax.sharding import MeshConfig, device_bytes, make_mesh, param_shardings
-from logra_jax.tree_paths import path_str
 
 
 def decode_config(config: ModelConfig, platform: str = "cpu", per_layer: bool | None = None) -> ModelConfig:
@@ -324,7 +324,7 @@ def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingCo
                    per_layer: bool | None = None, vllm: Any = None, model_dir: str | None = None,
                    **worker_options: Any) -> Any:
     """The engine for `config.rollout`: with `vllm` (its VLLMSettings) vLLM in its own process on the Hugging Face
-    folder `model_dir`, fed by low-rank payloads (`logra_jax.rollout.vllm_engine.VLLMEngine`); else by `workers`:
+    folder `model_dir`, fed by low-rank payloads (`logra_jax.rollout.vllm.engine.VLLMEngine`); else by `workers`:
     0 = colocated (`ColocatedEngine`, decode layout with t = decode_tensor, weights per layer or stacked by
     per_layer), 1 = a worker process fed by low-rank payloads (`WorkerEngine`; worker_options go to
     `WorkerProcessTransport`).
@@ -333,7 +333,7 @@ def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingCo
       ValueError: another `workers` value, or worker options for the colocated engine (named).
     """
     if vllm is not None:
-        from logra_jax.rollout.vllm_engine import VLLMEngine
+        from logra_jax.rollout.vllm.engine import VLLMEngine
         return VLLMEngine(model_config, sampling, params, model_dir=model_dir, settings=vllm, version=version,
                           trained=trained)
     if workers == 0:

@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from logra_jax.models.decoder import Decoder, KVCache, constrain_kv
+from logra_jax.parallel.sharding import constrain, use_rules
 from logra_jax.rollout.sampling import Rollout, SamplingConfig, row_keys, sample_tokens
-from logra_jax.sharding import constrain, use_rules
 
 REFILL_FRACTION = 0.25  # refill once this share of the slots is free (each refill costs a [K, P] prefill)
 

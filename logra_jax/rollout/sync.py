@@ -13,7 +13,8 @@ of updates (the tests check this across processes). Anything else is detected, n
   older one is dropped as stale;
 - payload checksum: BLAKE2b-256 over the canonical JSON header and every array's bytes (corruption);
 - weight fingerprint: per parameter leaf, one uint32 computed on device where the leaf lies,
-  `logra_jax.fingerprint.tree_fingerprint` (Σ_i c_i·w_i mod 2³² over the leaf's bit patterns w_i in row-major order,
+  `logra_jax.core.fingerprint.tree_fingerprint` (Σ_i c_i·w_i mod 2³² over the leaf's bit patterns w_i in row-major
+  order,
   odd position weights c_i: the checkpoints' fingerprint). Any single changed element changes it, and swapped
   elements do but for a vanishing fraction of values; it costs one read of the weights per update on device and a
   JSON number per leaf on the wire, where hashing the weights on the host would move all of them off the device
@@ -37,12 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from logra_jax.fingerprint import tree_fingerprint
+from logra_jax.core.fingerprint import tree_fingerprint
+from logra_jax.core.tree_paths import path_str
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import MatrixDims, Target
 from logra_jax.rollout.wire import PayloadError, header, pack, payload_checksum, unpack
-from logra_jax.tree_paths import path_str
 
 FORMAT = "logra-sync/2"  # /2: one fingerprint number per leaf (/1: two)
 
@@ -101,7 +102,7 @@ class SyncPayload:
       dense: delta: {path: additive update} of trained non-targets (empty when they are frozen).
       weights: snapshot: {path: value} of every parameter.
       fingerprint: {path: fingerprint} of the trainer's weights at `version`
-        (`logra_jax.fingerprint.tree_fingerprint`).
+        (`logra_jax.core.fingerprint.tree_fingerprint`).
       checksum: BLAKE2b-256 hex digest of everything above, as `payload_checksum` computes it ("" on device).
       on_device: the arrays are the trainer's device arrays (global arrays in a multi-process run), handed to a
         colocated engine in the same process: never framed, so no checksum; each process's engine applies

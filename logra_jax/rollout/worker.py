@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.fingerprint import tree_fingerprint
+from logra_jax.core.fingerprint import tree_fingerprint
+from logra_jax.core.tree_paths import path_str
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model
 from logra_jax.optim.lowrank import apply_updates
@@ -55,7 +56,6 @@ from logra_jax.rollout.wire import (
     run_engine,
     unpack,
 )
-from logra_jax.tree_paths import path_str
 
 _OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
 _OP_NAMES = {v: k for k, v in _OPS.items()}

@@ -1,6 +1,6 @@
-"""logra_jax.checkpoint: round trips of our train-state trees, keep-N, interrupted saves, corruption, mismatches.
+"""logra_jax.job.checkpoint: round trips of our train-state trees, keep-N, interrupted saves, corruption, mismatches.
 
-The fingerprint itself (logra_jax.fingerprint) is tested in test_ckpt_fingerprint.py."""
+The fingerprint itself (logra_jax.core.fingerprint) is tested in test_ckpt_fingerprint.py."""
 
 import json
 import shutil
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from logra_jax.checkpoint import CheckpointError, CheckpointManager
+from logra_jax.job.checkpoint import CheckpointError, CheckpointManager
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model
 from logra_jax.optim import logra
@@ -300,7 +300,7 @@ def test_numpy_and_python_leaves_are_stored_as_jax_arrays(tmp_path):
 def test_data_states_of_a_multi_process_run_go_to_their_process(monkeypatch):
     """A multi-process checkpoint holds one data-iterator state per process; each process restores its own,
     and a run with another number of processes is told how many wrote it."""
-    from logra_jax import checkpoint
+    from logra_jax.job import checkpoint
 
     saved = {checkpoint.PER_PROCESS: [{"next_index": 4}, {"next_index": 9}]}
     monkeypatch.setattr(jax, "process_count", lambda: 2)

@@ -1,4 +1,5 @@
-"""logra_jax.fingerprint: the persisted definition (numpy reference, golden values), its fast evaluation against the
+"""logra_jax.core.fingerprint: the persisted definition (numpy reference, golden values), its fast evaluation
+against the
 plain flat formula on ragged shapes, sharded arrays without gathering, single changes, swaps, tree paths."""
 
 import doctest
@@ -11,8 +12,8 @@ from flax import nnx
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-import logra_jax.fingerprint as fingerprint_module
-from logra_jax.fingerprint import _fingerprints, _leading_shards, fingerprint, leaf_fingerprints, tree_fingerprint
+import logra_jax.core.fingerprint as fingerprint_module
+from logra_jax.core.fingerprint import _fingerprints, _leading_shards, fingerprint, leaf_fingerprints, tree_fingerprint
 from logra_jax.rollout.sync import flat_params
 
 GOLDEN, OFFSET = 0x9E3779B1, 0x7F4A7C15

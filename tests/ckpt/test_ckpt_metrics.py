@@ -1,4 +1,5 @@
-"""logra_jax.metrics: JSONL + TensorBoard records, resume truncation, the non-finite guard, progress, memory, plots."""
+"""logra_jax.job.metrics: JSONL + TensorBoard records, resume truncation, the non-finite guard, progress, memory,
+plots."""
 
 import gc
 import io
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logra_jax.metrics import (
+from logra_jax.job.metrics import (
     Logger,
     MetricsWriter,
     NonFiniteMetricError,

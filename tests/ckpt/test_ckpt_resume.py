@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from logra_jax.checkpoint import CheckpointManager
-from logra_jax.metrics import MetricsWriter, check_finite, read_metrics
+from logra_jax.job.checkpoint import CheckpointManager
+from logra_jax.job.metrics import MetricsWriter, check_finite, read_metrics
 
 TOTAL = 10
 X = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from logra_jax import run_config
+from logra_jax.job import run_config
 
 _PATH = Path(__file__).resolve().parents[2] / "docs" / "_ext" / "config_reference.py"
 

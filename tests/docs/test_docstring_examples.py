@@ -29,7 +29,7 @@ def _tested_elsewhere() -> set[str]:
                  and any(isinstance(t, ast.Name) and t.id == "MODULES" for t in node.targets))
     fingerprint_test = (ROOT / "tests" / "ckpt" / "test_ckpt_fingerprint.py").read_text(encoding="utf-8")
     assert "doctest.testmod(fingerprint_module" in fingerprint_test
-    return {f"logra_jax.optim.{name}" for name in names} | {"logra_jax.fingerprint"}
+    return {f"logra_jax.optim.{name}" for name in names} | {"logra_jax.core.fingerprint"}
 
 
 WITH_EXAMPLES = sorted(_module_name(p) for p in PACKAGE.rglob("*.py") if ">>>" in p.read_text(encoding="utf-8"))

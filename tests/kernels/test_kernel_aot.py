@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from logra_jax import aot
 from logra_jax.kernels import backend, gpu
 from logra_jax.kernels.project import fused_backward, fused_forward
 from logra_jax.models.config import preset
+from logra_jax.planner import aot
 
 TARGETS = ("v5e:2x4", "v5p:2x2x1", "v6e:2x4", "v4:2x2x1", "h100:8", "h200:8", "a100:8")
 MODELS = ("qwen2.5-1.5b", "qwen2.5-7b", "dense-27b")

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logra_jax import aot
 from logra_jax.kernels import backend
 from logra_jax.kernels.merge import merge
 from logra_jax.kernels.project import (
@@ -24,6 +23,7 @@ from logra_jax.kernels.project import (
     sketched_linear,
     vmem_budget,
 )
+from logra_jax.planner import aot
 
 V5E, V5P, V4 = (backend.KernelTarget("tpu", kind) for kind in ("TPU v5 lite", "TPU v5", "TPU v4"))
 MIB = 1 << 20

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from logra_jax import sharding as shd
 from logra_jax.models import ModelConfig, preset
+from logra_jax.parallel import sharding as shd
 
 PROMPT_LENGTHS = (5, 9, 12)
 STEPS = 16

@@ -16,9 +16,9 @@ import transformers
 from flax import nnx
 
 from logra_jax import models
-from logra_jax import sharding as shd
 from logra_jax.models.hf import config_from_hf, config_to_hf
 from logra_jax.optim.targets import find_targets
+from logra_jax.parallel import sharding as shd
 
 # torch is imported where it is used, and this module runs on the one worker that imports it (tests/models/conftest.py)
 pytestmark = pytest.mark.xdist_group("torch")

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from logra_jax import sharding as shd
+from logra_jax.core.tree_paths import path_str
+from logra_jax.job.train_step import accumulate_grads
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.kl_probe import make_kl_probe, probe_passes, realised_kl
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
+from logra_jax.parallel import sharding as shd
 from logra_jax.rl.losses import LOSS_DENOMINATOR
-from logra_jax.train_step import accumulate_grads
-from logra_jax.tree_paths import path_str
 
 ROWS, SEQ = 4, 12
 

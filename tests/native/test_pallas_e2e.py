@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
@@ -23,7 +24,6 @@ from logra_jax.optim import (
     scale_by_row_adam,
     target_projection,
 )
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 RANK = 4
 STEPS = 2

@@ -10,14 +10,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from logra_jax.checkpoint import CheckpointManager
+from logra_jax.job.checkpoint import CheckpointManager
+from logra_jax.job.train_step import next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.kl_probe import kl_quadratic, make_kl_probe, predicted_and_realised_kl
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.predicted_kl import kl_budget_schedule, scale_by_predicted_kl
-from logra_jax.train_step import next_token_loss
 
 
 def _np_kl(z, z2):

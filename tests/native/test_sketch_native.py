@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from logra_jax.job.train_step import accumulate_grads, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import SketchProbe, attach_sketch_probes, sketching
 from logra_jax.optim import SketchSpec
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.projection import target_projection
-from logra_jax.train_step import accumulate_grads, next_token_loss
 
 
 def _batch(seed=0, B=6, T=12, vocab=128):

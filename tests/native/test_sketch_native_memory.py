@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from logra_jax import sharding as shd
-from logra_jax.memory_analysis import step_memory
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, find_targets, logra, scale_by_sketch
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
+from logra_jax.parallel import sharding as shd
+from logra_jax.planner.memory_analysis import step_memory
 
 DEVICES = 8
 RANK = 8
@@ -99,8 +99,8 @@ def test_rl_step_memory_includes_the_kl_probe():
     from 2 to 16 rows they grow by the kept primal hidden states of the extra rows ([rows, seq, D], reused by the
     realised KL), not by the per-row [seq, V] logits of both passes (before the passes: 1.24 MB for 14 extra rows
     against that floor of 0.92 MB; now 0.11 MB)."""
-    from logra_jax.memory_analysis import rl_step_memory
-    from logra_jax.run_config import OptimizerSection
+    from logra_jax.job.run_config import OptimizerSection
+    from logra_jax.planner.memory_analysis import rl_step_memory
 
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=1), jax.devices()[:1])
     seq, config = 32, preset("tiny")

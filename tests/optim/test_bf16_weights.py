@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from logra_jax.job.run_config import RunConfig
 from logra_jax.optim import apply_updates, logra
 from logra_jax.optim.lowrank import LowRankUpdate, stochastic_round_bf16
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import find_targets
-from logra_jax.run_config import RunConfig
 
 
 def _neighbours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

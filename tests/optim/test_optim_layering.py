@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 OPTIM = Path(__file__).resolve().parents[2] / "logra_jax" / "optim"
-ALLOWED_PROJECT = ("logra_jax.optim", "logra_jax.kernels", "logra_jax.tree_paths", "logra_jax.derived_specs",
-                   "logra_jax.giles")
+ALLOWED_PROJECT = ("logra_jax.optim", "logra_jax.kernels", "logra_jax.core.tree_paths",
+                   "logra_jax.parallel.derived_specs", "logra_jax.core.giles")
 
 
 def _imports(path: Path) -> set[str]:
@@ -37,16 +37,16 @@ def test_optim_modules_import_only_kernels_bottom_modules_optax_and_jax():
 def test_importing_optim_loads_no_model_code():
     code = ("import sys, logra_jax.optim; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'flax' or m.startswith("
-            "('logra_jax.models', 'logra_jax.native', 'logra_jax.rl', 'logra_jax.train'))))")
+            "('logra_jax.models', 'logra_jax.native', 'logra_jax.rl', 'logra_jax.job.train'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
 
 def test_bottom_modules_import_only_jax():
-    """The modules optim may import from the package root import nothing of the project and no flax."""
+    """The modules optim may import from below kernels import nothing of the project and no flax."""
     root = OPTIM.parent
     offenders = {}
-    for name in ("tree_paths.py", "derived_specs.py", "giles.py"):
+    for name in ("core/tree_paths.py", "parallel/derived_specs.py", "core/giles.py"):
         bad = {m for m in _imports(root / name) if m.split(".")[0] in ("flax", "logra_jax", "optax")}
         if bad:
             offenders[name] = sorted(bad)

@@ -11,12 +11,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from logra_jax.job.run_config import OptimizerSection
 from logra_jax.optim import apply_updates, logra, scale_by_sketch, sketch_spec, state_targets
 from logra_jax.optim.momentum import RIDGE, SubspaceMomentumState, scale_by_subspace_momentum, transfer_matrix
 from logra_jax.optim.projection import layer_seed, projection
 from logra_jax.optim.spec import SketchSpec
-from logra_jax.run_config import OptimizerSection
-from logra_jax.sharding import opt_state_shardings
+from logra_jax.parallel.sharding import opt_state_shardings
 
 RANK, BASE = 4, 7
 # Flax-layout kernels [*batch, in = k, out = d]: a stacked one (two layers) and a plain one.

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from logra_jax.optim import DeclaredTargets, MatrixDims, TargetRule, apply_updates, logra, state_targets
 from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
-from logra_jax.sharding import opt_state_shardings
+from logra_jax.parallel.sharding import opt_state_shardings
 
 L, K, D, RANK = 2, 16, 32, 4  # stacked Flax kernel [L, in=k, out=d]
 

@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from logra_jax.extras import EXTRAS
+from logra_jax.core.extras import EXTRAS
 
 REPO = Path(__file__).resolve().parents[2]
 LOCKS = ("requirements.txt", "requirements-py312.txt", "requirements-dev.txt", "requirements-docs.txt")
@@ -169,5 +169,5 @@ def test_core_modules_import_only_core_packages(project):
 
 
 def test_library_extras_are_declared(project):
-    """The extras logra_jax.extras names in its errors exist in pyproject.toml."""
+    """The extras logra_jax.core.extras names in its errors exist in pyproject.toml."""
     assert set(EXTRAS) <= project["optional-dependencies"].keys()

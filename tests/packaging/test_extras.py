@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-from logra_jax.extras import requires_extra
+from logra_jax.core.extras import requires_extra
 
 
 def test_a_missing_package_names_the_extra_and_keeps_the_module_name():

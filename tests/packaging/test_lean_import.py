@@ -19,7 +19,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
-GUARDED = ("logra_jax.main", "logra_jax.train", "logra_jax.models", "logra_jax.native")  # import under requires_extra
+# import under requires_extra
+GUARDED = ("logra_jax.main", "logra_jax.job.train", "logra_jax.models", "logra_jax.native")
 RL_PACKAGES = ("flax", "orbax", "grain", "tensorflow_datasets", "ml_collections", "tokenizers", "gguf")
 
 
@@ -76,7 +77,7 @@ ns = {{}}
 exec(compile({example!r}, "README.md", "exec"), ns)
 updated = float((ns["params"]["mlp"]["up_proj"]["kernel"] != 1).mean())
 missing = {{}}
-for module in {guarded!r} + ("logra_jax.sharding",):
+for module in {guarded!r} + ("logra_jax.parallel.sharding",):
     try:
         importlib.import_module(module)
         missing[module] = None
@@ -122,7 +123,7 @@ def test_rl_entry_points_name_the_extra(lean):
         assert f"{module} needs the optional dependencies of logra_jax[rl]" in message, message
         assert "pip install 'logra_jax[rl]'" in message
     # an unguarded module that imports flax fails here as a core module importing flax would
-    assert lean["missing"]["logra_jax.sharding"][0] == "flax"
+    assert lean["missing"]["logra_jax.parallel.sharding"][0] == "flax"
 
 
 def test_the_probe_fails_when_a_core_package_is_left_out(tmp_path, project):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from logra_jax.hlo_cost import hlo_cost, shape_bytes
+from logra_jax.planner.hlo_cost import hlo_cost, shape_bytes
 
 F32 = jnp.float32
 

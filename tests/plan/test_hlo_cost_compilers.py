@@ -20,8 +20,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from logra_jax import aot
-from logra_jax.hlo_cost import hlo_cost
+from logra_jax.planner import aot
+from logra_jax.planner.hlo_cost import hlo_cost
 
 TARGETS = ("cpu:4", "v5e:2x2", "h100:4")
 

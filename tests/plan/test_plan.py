@@ -8,12 +8,12 @@ import json
 import jax
 import pytest
 
-from logra_jax import plan
-from logra_jax.memory_analysis import rl_step_memory
+from logra_jax.job.phases import job_mesh
+from logra_jax.job.run_config import OptimizerSection, RunConfig
 from logra_jax.models import preset
-from logra_jax.phases import job_mesh
-from logra_jax.run_config import OptimizerSection, RunConfig
-from logra_jax.sharding import FAST_CPU_COMPILE, MeshConfig, make_mesh
+from logra_jax.parallel.sharding import FAST_CPU_COMPILE, MeshConfig, make_mesh
+from logra_jax.planner import plan
+from logra_jax.planner.memory_analysis import rl_step_memory
 
 MODEL = {"preset": "tiny", "tokenizer": "char", "overrides": {"max_seq_len": 32}}
 

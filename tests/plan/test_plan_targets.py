@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from logra_jax import aot, plan
-from logra_jax.phases import job_mesh
-from logra_jax.run_config import RunConfig
+from logra_jax.job.phases import job_mesh
+from logra_jax.job.run_config import RunConfig
+from logra_jax.planner import aot, plan
 
 TPU_TARGETS = tuple(t for t in aot.TARGETS if aot.target_info(t).platform == "tpu")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from logra_jax import aot
-from logra_jax import sharding as shd
+from logra_jax.parallel import sharding as shd
+from logra_jax.planner import aot
 
 
 def test_roofline_adds_collective_time_to_the_overlapped_compute_and_memory():
@@ -43,7 +43,7 @@ def test_each_tpu_target_names_its_own_accelerator_type():
 def test_fast_cpu_compile_options_are_dropped_by_name_off_cpu():
     """A copy of FAST_CPU_COMPILE (not the object itself) is dropped for a TPU or GPU compile; other options stay;
     a CPU compile keeps everything."""
-    from logra_jax.memory_analysis import options_for
+    from logra_jax.planner.memory_analysis import options_for
 
     copy = dict(shd.FAST_CPU_COMPILE)
     assert copy is not shd.FAST_CPU_COMPILE

@@ -12,16 +12,16 @@ import optax
 import pytest
 from flax import nnx
 
-from logra_jax.derived_specs import full_spec
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model, layer_source
 from logra_jax.optim import apply_updates, logra
+from logra_jax.parallel.derived_specs import full_spec
+from logra_jax.parallel.sharding import MeshConfig, make_mesh, param_shardings
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout.engine import ColocatedEngine, decode_mesh, decode_tensor_sizes, default_decode_tensor
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.slots import Sampler
 from logra_jax.rollout.sync import flat_params
-from logra_jax.sharding import MeshConfig, make_mesh, param_shardings
 
 CONFIG = preset("tiny", dtype="bfloat16")
 SAMPLING = SamplingConfig(max_new_tokens=6, eos_id=1, pad_id=0, num_samples=2, slots=4, decode_steps=3)

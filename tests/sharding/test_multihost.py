@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from logra_jax import multihost
-from logra_jax.multihost import DistributedConfig, DistributedInitError, rendezvous
+from logra_jax.parallel import multihost
+from logra_jax.parallel.multihost import DistributedConfig, DistributedInitError, rendezvous
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_missing_peer_is_a_clear_error(tmp_path):
 def test_rendezvous_rejects_mismatched_process_counts():
     port = _free_port()
     peer = subprocess.Popen([sys.executable, "-c", (
-        "from logra_jax.multihost import DistributedConfig, rendezvous\n"
+        "from logra_jax.parallel.multihost import DistributedConfig, rendezvous\n"
         f"rendezvous(DistributedConfig('127.0.0.1:{port}', num_processes=3, process_id=1, timeout_s=20))")],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with pytest.raises(DistributedInitError, match="announced num_processes=3"):

@@ -189,7 +189,8 @@ def test_two_processes_equal_one_process_with_the_same_mesh(runs):
 FAILING = """
 import sys
 from absl import app
-from logra_jax import main, train
+from logra_jax import main
+from logra_jax.job import train
 calls = []
 def failing(*args, **kwargs):
     calls.append(1)

@@ -21,8 +21,8 @@ from flax import nnx
 
 from logra_jax import models
 from logra_jax.models.hf import SafetensorsFile, build_model
+from logra_jax.parallel.sharding import MeshConfig, make_mesh
 from logra_jax.rollout.engine import decode_config, weight_bytes
-from logra_jax.sharding import MeshConfig, make_mesh
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ _LOADER = textwrap.dedent("""
     import jax
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
     from logra_jax import models
-    from logra_jax.sharding import MeshConfig, make_mesh
+    from logra_jax.parallel.sharding import MeshConfig, make_mesh
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     stats = models.LoadStats()
     model, _, _ = models.load(sys.argv[3], shardings=mesh, stats=stats)
@@ -151,7 +151,7 @@ def test_two_processes_read_only_their_own_slices(tmp_path):
 
 _JOB = textwrap.dedent("""
     import json, sys
-    from logra_jax.train import train_and_evaluate
+    from logra_jax.job.train import train_and_evaluate
     config, workdir = json.loads(sys.argv[1]), sys.argv[2]
     train_and_evaluate(config, workdir)
     config["train"]["steps"] += 1

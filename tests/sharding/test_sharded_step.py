@@ -15,12 +15,12 @@ import pytest
 from flax import nnx
 
 from logra_jax import optim
-from logra_jax import sharding as shd
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss, step_shardings
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss, step_shardings
+from logra_jax.parallel import sharding as shd
 
 # every test of the module on one xdist worker (make test's --dist loadgroup): each optimizer's problem and unsharded
 # reference (functools.cache) are built once, not once per worker

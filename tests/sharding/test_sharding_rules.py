@@ -14,10 +14,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from logra_jax import optim
-from logra_jax import sharding as shd
-from logra_jax.derived_specs import derive_spec, follow_spec
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import abstract_model
+from logra_jax.parallel import sharding as shd
+from logra_jax.parallel.derived_specs import derive_spec, follow_spec
 
 
 @pytest.fixture(scope="module")

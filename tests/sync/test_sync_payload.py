@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logra_jax.fingerprint import tree_fingerprint
+from logra_jax.core.fingerprint import tree_fingerprint
 from logra_jax.optim.lowrank import LowRankUpdate, apply_updates
 from logra_jax.optim.projection import target_projection
 from logra_jax.optim.spec import SketchSpec

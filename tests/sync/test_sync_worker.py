@@ -15,12 +15,12 @@ from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim import LowRankUpdate, apply_updates, find_targets, logra, path_str
 from logra_jax.optim.spec import SketchSpec
+from logra_jax.parallel.sharding import MeshConfig, make_mesh
 from logra_jax.rollout.engine import ColocatedEngine, rollout_engine
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.slots import Sampler
 from logra_jax.rollout.sync import PolicySync, SyncReply, flat_params
 from logra_jax.rollout.worker import InProcessTransport, WorkerError, WorkerProcessTransport
-from logra_jax.sharding import MeshConfig, make_mesh
 
 # its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
 # --dist loadgroup)

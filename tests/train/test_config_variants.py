@@ -10,7 +10,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from logra_jax.run_config import RunConfig
+from logra_jax.job.run_config import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NAMES = sorted(path.name for path in CONFIGS.glob("*.py"))

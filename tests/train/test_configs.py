@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from logra_jax.run_config import RunConfig
+from logra_jax.job.run_config import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -62,7 +62,7 @@ def test_the_engines_per_layer_layout_is_refused_for_the_trained_model():
 
 
 def test_held_out_problems_are_never_trained_on(tmp_path):
-    from logra_jax.builders import build_tasks
+    from logra_jax.job.builders import build_tasks
 
     # one-digit additions: 100 distinct questions, so draws with replacement collide with the held-out set
     config = load("demo.py")
@@ -101,10 +101,10 @@ def test_round_bf16_defaults_to_the_variants_convention(variant, round_bf16, exp
     import jax
     from flax import nnx
 
+    from logra_jax.job.optimizer_plan import build_optimizer
     from logra_jax.models.config import preset
     from logra_jax.models.decoder import init_model
     from logra_jax.optim import sketch_spec
-    from logra_jax.optimizers import build_optimizer
 
     run = RunConfig.from_dict({"optimizer": {"variant": variant, "round_bf16": round_bf16, "rank": 4}})
     assert run.optimizer.round_bf16 is round_bf16
@@ -133,7 +133,7 @@ def test_round_bf16_is_none_a_bool_or_a_clear_error(monkeypatch):
 def test_token_weighted_whitening_reaches_the_loop(tmp_path, monkeypatch):
     """algorithm.whiten='token' gives reinforce++ the rollout's response lengths; elsewhere it is an error."""
     import logra_jax.rl.advantages as advantages
-    from logra_jax.train import train_and_evaluate
+    from logra_jax.job.train import train_and_evaluate
 
     with pytest.raises(ValueError, match=r"config\.algorithm\.whiten = 'token'"):
         RunConfig.from_dict({"algorithm": {"whiten": "token"}})

@@ -8,7 +8,9 @@ import pytest
 from flax import nnx
 from jax.experimental import io_callback
 
-import logra_jax.train_step as train_step_mod
+import logra_jax.job.train_step as train_step_mod
+from logra_jax.job.train import KLRefusalError, _probe_batch, train_and_evaluate
+from logra_jax.job.train_step import KLProbeConfig, TrainState, make_train_step, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
@@ -16,8 +18,6 @@ from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.predicted_kl import PredictedKLState
 from logra_jax.rl.objective import probe_rows
 from logra_jax.rollout.sampling import Rollout
-from logra_jax.train import KLRefusalError, _probe_batch, train_and_evaluate
-from logra_jax.train_step import KLProbeConfig, TrainState, make_train_step, next_token_loss
 
 
 @pytest.mark.parametrize(("prompts", "samples", "count"), [(16, 16, 8), (4, 16, 8), (3, 5, 15), (7, 2, 1),

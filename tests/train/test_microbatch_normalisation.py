@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
@@ -17,7 +18,6 @@ from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, find_targets
 from logra_jax.rl.losses import AGGREGATIONS, LossConfig
 from logra_jax.rl.objective import make_policy_loss_fn
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 P, G, N = 4, 6, 8  # prompt length, response length, responses
 

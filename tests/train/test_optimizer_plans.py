@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from logra_jax.core.tree_paths import path_str
+from logra_jax.job.optimizer_plan import build_optimizer
+from logra_jax.job.run_config import OptimizerSection, RunConfig
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, find_targets
-from logra_jax.optimizers import build_optimizer
-from logra_jax.run_config import OptimizerSection, RunConfig
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
-from logra_jax.tree_paths import path_str
 
 
 def _one_step(section):

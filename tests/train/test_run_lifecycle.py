@@ -17,10 +17,10 @@ from pathlib import Path
 import jax
 import pytest
 
-import logra_jax.train as train_mod
-from logra_jax.checkpoint import CheckpointError
-from logra_jax.lifecycle import RESUME_FIXED, RunPreempted, config_changes, is_fixed
-from logra_jax.train import train_and_evaluate
+import logra_jax.job.train as train_mod
+from logra_jax.job.checkpoint import CheckpointError
+from logra_jax.job.lifecycle import RESUME_FIXED, RunPreempted, config_changes, is_fixed
+from logra_jax.job.train import train_and_evaluate
 
 # every test of the module on one xdist worker (make test's --dist loadgroup), so that its session-scoped fixture is
 # built once (session, not module: xdist interleaves other modules' tests, which tears a module fixture down)
@@ -88,7 +88,7 @@ def _can_remount_read_only(path: Path) -> bool:
 DRIVER = """
 import subprocess, sys, time
 from absl import app
-import logra_jax.train as train
+import logra_jax.job.train as train
 from logra_jax import main
 
 real, calls = train.score_responses, [0]
@@ -135,7 +135,7 @@ def test_a_save_failing_mid_run_stops_the_run_within_seconds(tmp_path, tiny_conf
 DRIVER_SWAP = """
 import os, time
 from absl import app
-import logra_jax.train as train
+import logra_jax.job.train as train
 from logra_jax import main
 
 real, calls = train.score_responses, [0]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from logra_jax.job.sft import cached_warm_start
+from logra_jax.job.train import train_and_evaluate
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
-from logra_jax.sft import cached_warm_start
-from logra_jax.train import train_and_evaluate
 
 
 def _params(model):

@@ -9,13 +9,13 @@ import optax
 import pytest
 from flax import nnx
 
+from logra_jax.job.run_config import RunConfig, TaskSection
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, logra
 from logra_jax.rl.tasks import TaskSpec
-from logra_jax.run_config import RunConfig, TaskSection
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
 
 
 def _batch():

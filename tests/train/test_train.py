@@ -10,12 +10,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import logra_jax.train as train_mod
-from logra_jax.checkpoint import CheckpointError
+import logra_jax.job.train as train_mod
+from logra_jax.job.checkpoint import CheckpointError
+from logra_jax.job.run_config import RunConfig
+from logra_jax.job.train import train_and_evaluate
 from logra_jax.rollout import engine as engine_lib
 from logra_jax.rollout.sync import flat_params
-from logra_jax.run_config import RunConfig
-from logra_jax.train import train_and_evaluate
 
 
 @pytest.mark.parametrize("optimizer", [

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from logra_jax.builders import build_model, build_tasks
+from logra_jax.job.builders import build_model, build_tasks
+from logra_jax.job.run_config import RunConfig, SFTSection
+from logra_jax.job.sft import WarmStartError, check_warm_start, final_window, supervised_warm_start
+from logra_jax.job.train import train_and_evaluate
 from logra_jax.rl.prompts import PromptFormat, max_prompt_length
-from logra_jax.run_config import RunConfig, SFTSection
-from logra_jax.sft import WarmStartError, check_warm_start, final_window, supervised_warm_start
-from logra_jax.train import train_and_evaluate
 
 
 def test_check_warm_start_names_the_seed_and_the_loss():

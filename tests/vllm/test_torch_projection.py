@@ -1,4 +1,4 @@
-"""The PyTorch port of the projections (logra_jax.rollout.torch_projection) against JAX's: Rademacher (the default)
+"""The PyTorch port of the projections (logra_jax.rollout.vllm.torch_projection) against JAX's: Rademacher (the default)
 bit for bit; Gaussian within a few ulp, since XLA's own float32 log1p changes with its CPU compile options (JAX's
 Gaussian draws differ between XLA's default pipeline and -O0 in a few percent of entries, by up to 3 ulp)."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.xdist_group("torch")
 
 @pytest.fixture(scope="module")
 def tp(torch):  # the `torch` fixture: tests/vllm/conftest.py
-    return importlib.import_module("logra_jax.rollout.torch_projection")
+    return importlib.import_module("logra_jax.rollout.vllm.torch_projection")
 
 # logra_jax.optim re-exports a function named `projection`, which shadows the module as an attribute.
 jp = importlib.import_module("logra_jax.optim.projection")

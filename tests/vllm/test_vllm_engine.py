@@ -16,7 +16,7 @@ from logra_jax.models.hf import export
 from logra_jax.optim import apply_updates, logra
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.sync import flat_params
-from logra_jax.rollout.vllm_engine import VLLMEngine, VLLMSettings
+from logra_jax.rollout.vllm.engine import VLLMEngine, VLLMSettings
 
 PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 # `make venv-vllm` writes its stamp after `import vllm` worked there (importing vllm to ask takes 6 s per

@@ -53,7 +53,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path, int]:
             proc.kill()
             raise AssertionError(f"the job never reached RL: {proc.communicate()[1][-3000:]}")
         time.sleep(0.2)
-    engines = [pid for pid in _children(proc.pid) if b"logra_jax.rollout.vllm_server" in _cmdline(pid)]
+    engines = [pid for pid in _children(proc.pid) if b"logra_jax.rollout.vllm.server" in _cmdline(pid)]
     assert len(engines) == 1, engines
     return proc, workdir, engines[0]
 

@@ -1,4 +1,4 @@
-"""The PyTorch receiver of low-rank sync (logra_jax.rollout.vllm_ext, what runs inside vLLM) against the trainer's
+"""The PyTorch receiver of low-rank sync (logra_jax.rollout.vllm.extension, what runs inside vLLM) against the trainer's
 JAX merge: many updates (bf16-rounded factors, decay, a dense leaf, refresh period), the version chain and the
 corruption/gap repair, and the Hugging Face tensors it hands vLLM against models.hf's export. No vLLM needed."""
 
@@ -17,7 +17,7 @@ from logra_jax.models.hf import _export_tensors
 from logra_jax.optim import LowRankUpdate, apply_updates, find_targets
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.rollout.sync import delta_payload, flat_params, snapshot_payload
-from logra_jax.rollout.vllm_engine import hf_table
+from logra_jax.rollout.vllm.engine import hf_table
 
 # torch and the receiver (which imports it) are imported by the tests, not at collection, and the module runs on
 # the one worker that imports torch (tests/models/conftest.py)
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.xdist_group("torch")
 
 @pytest.fixture(scope="module")
 def ext(torch):  # the `torch` fixture: tests/vllm/conftest.py
-    return importlib.import_module("logra_jax.rollout.vllm_ext")
+    return importlib.import_module("logra_jax.rollout.vllm.extension")
 
 RANK = 4
 NORM = "blocks.norm.scale"

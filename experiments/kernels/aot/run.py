@@ -4,7 +4,7 @@
   JAX_PLATFORMS=cpu .venv-cuda/bin/python experiments/kernels/aot/run.py --targets h100:8 h200:8 a100:8
   .venv/bin/python experiments/kernels/aot/run.py --table        # README table from the JSON files
 
-For each target (logra_jax.aot) and each of the seven target projections of Qwen2.5-Math-1.5B, Qwen2.5-Math-7B
+For each target (logra_jax.planner.aot) and each of the seven target projections of Qwen2.5-Math-1.5B, Qwen2.5-Math-7B
 and the 27B-class preset (q, k, v, o, gate, up, down: X [T, k_in] → y [T, d_out]; T = 4096; r ∈ {64, 256};
 bf16 activations, fp32 weights and projection, as the paper's numerics), the kernels that
 `implementation="pallas"` dispatches to — the fused forward (y, P = X K, X Aᵀ), the fused backward
@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from logra_jax import aot
 from logra_jax.kernels import backend, gpu
 from logra_jax.kernels import project as proj
 from logra_jax.kernels.merge import merge
 from logra_jax.kernels.row_moment import row_moment
 from logra_jax.models.config import preset
+from logra_jax.planner import aot
 
 HERE = Path(__file__).parent
 MODELS = {"1.5B": "qwen2.5-1.5b", "7B": "qwen2.5-7b", "27B": "dense-27b"}

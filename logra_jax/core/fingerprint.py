@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from logra_jax.tree_paths import path_str
+from logra_jax.core.tree_paths import path_str
 
 _GOLDEN = 0x9E3779B1
 _OFFSET = 0x7F4A7C15
@@ -179,7 +179,7 @@ def leaf_fingerprints(leaves: Sequence[Any], names: Sequence[str] | None = None)
 
 
 def tree_fingerprint(tree: Any) -> dict[str, int]:
-    """{canonical path (`logra_jax.tree_paths.path_str`): fingerprint} of every leaf of `tree`, in tree order.
+    """{canonical path (`logra_jax.core.tree_paths.path_str`): fingerprint} of every leaf of `tree`, in tree order.
 
     Example:
       >>> tree_fingerprint({"w": jnp.array([1.0, 2.0])})

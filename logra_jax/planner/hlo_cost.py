@@ -28,7 +28,7 @@ the compiled module instead:
   receives under ring algorithms over a group of n: all-gather its result minus its operand, reduce-scatter its
   operand minus its result, all-reduce 2·(n−1)/n × its operand, all-to-all (n−1)/n × its operand,
   collective-permute its operand; each collective counted once (a `*-done` is free). They are counted apart: the
-  roofline's memory term does not include them (`logra_jax.aot.roofline`).
+  roofline's memory term does not include them (`logra_jax.planner.aot.roofline`).
 
 Every dtype XLA prints is sized from its name (`f8e4m3fn` 1 byte, `f4e2m1fn` ½, `s2` ¼ ...), fp8 included.
 The module is per device (SPMD-partitioned), so the figures are per device.

@@ -10,16 +10,17 @@ Activations are constrained with `constrain(x, logical_axes)` while `use_rules` 
 `jit_train_step` arranges while it jits with in/out shardings and donation. `init_sharded` creates state in its
 shardings (eval_shape → shardings → jit(out_shardings)).
 
-Typical use, with init_fn() -> (TrainState, rest) and a step from logra_jax.train_step (run end to end by
-tests/sharding/test_sharded_step.py, and across processes by logra_jax.train in tests/sharding/test_multihost_main.py):
+Typical use, with init_fn() -> (TrainState, rest) and a step from logra_jax.job.train_step (run end to end by
+tests/sharding/test_sharded_step.py, and across processes by logra_jax.job.train in
+tests/sharding/test_multihost_main.py):
   mesh = make_mesh(MeshConfig(data=2, fsdp=4))
   (state, rest), (state_sh, rest_sh) = init_sharded(init_fn, lambda s: step_shardings(*s, mesh))
-                          # logra_jax.train_step.step_shardings: train_state_shardings + param_shardings, with
+                          # logra_jax.job.train_step.step_shardings: train_state_shardings + param_shardings, with
                           # the optimizer's LoGRA targets (logra_jax.optim.state_targets) as declared layouts
   step = jit_train_step(step_fn, mesh, in_shardings=(state_sh, rest_sh, batch_shardings(batch, mesh)),
                         out_shardings=(state_sh, replicated(mesh)))
   state, metrics = step(state, rest, jax.device_put(batch, batch_shardings(batch, mesh)))
-Compile-only: `logra_jax.memory_analysis.step_memory(step_fn, init_fn, abstract_batch, mesh)` lowers the same
+Compile-only: `logra_jax.planner.memory_analysis.step_memory(step_fn, init_fn, abstract_batch, mesh)` lowers the same
 sharded step from abstract inputs and returns XLA's per-device bytes.
 """
 
@@ -40,9 +41,9 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxlib import version as jaxlib_version
 
-from logra_jax.derived_specs import MeshAxes, as_tuple, derive_spec, entry
+from logra_jax.core.tree_paths import path_keys
 from logra_jax.kernels.backend import compiling_for
-from logra_jax.tree_paths import path_keys
+from logra_jax.parallel.derived_specs import MeshAxes, as_tuple, derive_spec, entry
 
 T = TypeVar("T")
 LogicalRules = Sequence[tuple[str, MeshAxes]]
@@ -107,11 +108,11 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     """The (data, fsdp, tensor) mesh over `devices` (default: all global devices) with Auto axis types.
 
     Devices are ordered by the physical topology (`jax.make_mesh`), except devices that are single TensorCores of
-    a multi-core chip (TPU v4's compile-only devices, `logra_jax.aot`), which are laid out in the order given.
+    a multi-core chip (TPU v4's compile-only devices, `logra_jax.planner.aot`), which are laid out in the order given.
 
     Auto (not Explicit, `jax.make_mesh`'s default in this JAX) keeps GSPMD's sharding propagation: shardings of
     intermediates are inferred from inputs, outputs and `constrain` calls. In a multi-process run
-    (logra_jax.multihost) the default devices span every process.
+    (logra_jax.parallel.multihost) the default devices span every process.
 
     Args:
       config: the axis sizes.
@@ -308,7 +309,7 @@ def state_leaf_spec(shape: Sequence[int], path: str, source_shape: Sequence[int]
     """PartitionSpec of an array derived from the parameter at `path` (its optimizer state, its sketch probe).
 
     The parameter's declared layout (`targets[path].state_spec`) when it has one for `shape`; otherwise the
-    layout inferred by size (`logra_jax.derived_specs.derive_spec`: the parameter's own shape takes its spec,
+    layout inferred by size (`logra_jax.parallel.derived_specs.derive_spec`: the parameter's own shape takes its spec,
     a reduced shape such as adafactor's factored moments follows the equal-sized dims). Both end in the same
     `follow_spec`.
     """

@@ -2,7 +2,8 @@
 
 "blocks.attn.q_proj.kernel": dict keys, attribute names and sequence indices joined with "."; the trailing `.value`
 under which an nnx.Variable holds its array is dropped, so an nnx.State, its `nnx.to_pure_dict` and the optimizer's
-state trees name a parameter alike. Target rules (logra_jax.optim.targets), sharding rules (logra_jax.sharding),
+state trees name a parameter alike. Target rules (logra_jax.optim.targets), sharding rules
+(logra_jax.parallel.sharding),
 policy-sync payloads and the optimizer builders all use it. A bottom-layer module: it imports only jax.
 """
 

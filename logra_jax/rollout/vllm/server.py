@@ -1,5 +1,5 @@
-"""The vLLM engine process: `python -m logra_jax.rollout.vllm_server --connect HOST:PORT --secret-stdin`, run with
-the vLLM venv's interpreter by `logra_jax.rollout.vllm_engine.VLLMEngine` (no JAX here).
+"""The vLLM engine process: `python -m logra_jax.rollout.vllm.server --connect HOST:PORT --secret-stdin`, run with
+the vLLM venv's interpreter by `logra_jax.rollout.vllm.engine.VLLMEngine` (no JAX here).
 
 It proves the run secret to the trainer (logra_jax.rollout.wire), builds `vllm.LLM` on the model folder the hello
 names (weights then come by snapshot), and serves one request at a time: sync (payload bytes → TorchMasters →
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from logra_jax.rollout.vllm_ext import TorchMasters, hf_tensors
+from logra_jax.rollout.vllm.extension import TorchMasters, hf_tensors
 from logra_jax.rollout.wire import Channel, FrameError, pack, run_engine, unpack
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,7 +37,7 @@ class Server:
                        gpu_memory_utilization=settings["gpu_memory_utilization"],
                        max_num_seqs=settings["max_num_seqs"], max_model_len=hello["max_model_len"],
                        enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                       worker_extension_cls="logra_jax.rollout.vllm_ext.LograWorkerExtension")
+                       worker_extension_cls="logra_jax.rollout.vllm.extension.LograWorkerExtension")
         self.masters = TorchMasters(hello["shapes"])
 
     def sync(self, body: memoryview) -> dict[str, Any]:

@@ -19,15 +19,15 @@ import jax
 import optax
 from flax import nnx
 
+from logra_jax.core.tree_paths import path_str
+from logra_jax.job.run_config import OptimizerSection
+from logra_jax.job.train_step import KLProbeConfig, Trainable, densely_trained
 from logra_jax.models.decoder import cast_matrices
 from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, resolve_round_bf16, target_labels
 from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets
-from logra_jax.run_config import OptimizerSection
-from logra_jax.train_step import KLProbeConfig, Trainable, densely_trained
-from logra_jax.tree_paths import path_str
 
 GALORE_UPDATE_GAP = 200
 
@@ -58,7 +58,7 @@ def _targets_and_rest(target_tx: optax.GradientTransformation, other_tx: optax.G
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerPlan:
-    """tx plus how the train step must run it (see logra_jax.train_step.make_train_step); targets: LoGRA's
+    """tx plus how the train step must run it (see logra_jax.job.train_step.make_train_step); targets: LoGRA's
     targets by path (what policy sync ships as low-rank factors), None for the dense optimizers. The sketch
     settings are not repeated here: they live in tx's SketchSpec (`logra_jax.optim.sketch_spec` of its state)."""
 

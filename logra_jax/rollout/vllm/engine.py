@@ -1,12 +1,13 @@
 """vLLM as the rollout engine, fed by low-rank sync (`rollout.engine = "vllm"`).
 
-`VLLMEngine` starts `python -m logra_jax.rollout.vllm_server` with the interpreter of the vLLM venv (`make
+`VLLMEngine` starts `python -m logra_jax.rollout.vllm.server` with the interpreter of the vLLM venv (`make
 venv-vllm`), on a Hugging Face folder of the job's model (`logra_jax.models.hf.export`, or the user's checkpoint),
 and drives it over the keyed channel of logra_jax.rollout.wire (the run secret goes to it through its stdin). It
 answers the engine interface of logra_jax.rollout.engine:
   publish(updates, params) -> SyncReport    the same payloads as the JAX worker (`PolicySync`): U and seeds, never
                                             dense weights; the server merges them into float32 masters in torch
-                                            (logra_jax.rollout.vllm_ext) and reloads the changed tensors into vLLM;
+                                            (logra_jax.rollout.vllm.extension) and reloads the changed tensors into
+                                            vLLM;
   generate(prompts, prompt_mask, key, config=None) -> Rollout;   resyncs; close().
 Drift check: after every `probe_every` publications the trainer sends, for `probe_entries` fixed random entries of
 every parameter, its float32 values; the server answers with its masters' and the engine sends a full snapshot when
@@ -129,7 +130,7 @@ class VLLMEngine(EngineProcess):
         env.pop("XLA_FLAGS", None)
         if settings.devices:
             env["CUDA_VISIBLE_DEVICES"] = settings.devices
-        self._launch([str(python), "-m", "logra_jax.rollout.vllm_server"], env,
+        self._launch([str(python), "-m", "logra_jax.rollout.vllm.server"], env,
                      new_secret() if secret is None else secret, start_timeout_s,
                      cwd=Path(__file__).resolve().parents[2])
         flat = flat_params(params)

@@ -266,7 +266,7 @@ def check_finite(step: int, metrics: Mapping[str, Any], keys: Iterable[str] | No
       >>> check_finite(3, {"loss": 0.1, "kl": float("nan")}, keys=("loss", "kl", "reward"))
       Traceback (most recent call last):
       ...
-      logra_jax.metrics.NonFiniteMetricError: non-finite metric at step 3: kl=nan
+      logra_jax.job.metrics.NonFiniteMetricError: non-finite metric at step 3: kl=nan
     """
     names = list(metrics) if keys is None else [k for k in keys if k in metrics]
     offending: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """Giles' float32 erfinv ("Approximating the erfinv function", 2010), the coefficients only: p(w) in w − 2.5 for
 w = −log1p(−x²) < 5 and in √w − 3 above, highest degree first, evaluated in Horner order. What XLA's decomposition
 of `erf_inv` computed for `jax.random.normal` up to jax 0.10; the Gaussian projections use it on every version
-(`logra_jax.optim.projection.giles_erfinv`) and so does their PyTorch port (`logra_jax.rollout.torch_projection`),
+(`logra_jax.optim.projection.giles_erfinv`) and so does their PyTorch port (`logra_jax.rollout.vllm.torch_projection`),
 which runs where JAX is not installed: this module imports nothing.
 """
 

@@ -14,7 +14,7 @@
 Every random choice derives from train.seed and the step number, so an interrupted run resumed from its last
 checkpoint reproduces the uninterrupted run bit for bit.
 
-Several processes (logra_jax.multihost, started by logra_jax.main) run the same loop on one global mesh: each
+Several processes (logra_jax.parallel.multihost, started by logra_jax.main) run the same loop on one global mesh: each
 reads only its own part of every prompt batch, the prompts, rollouts, rewards and train batch are global arrays
 whose rows each process holds (`_ProcessRows`), each process decodes and scores its own rows, the colocated
 rollout engine updates each process's own weight shards, checkpoints carry every process's data-iterator state,
@@ -36,16 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.extras import requires_extra
+from logra_jax.core.extras import requires_extra
 
-with requires_extra("rl", "logra_jax.train"):
+with requires_extra("rl", "logra_jax.job.train"):
     from flax import nnx
 
-    from logra_jax import metrics as metrics_lib
-    from logra_jax import multihost
-    from logra_jax.builders import build_model, build_tasks
-    from logra_jax.checkpoint import CheckpointError, CheckpointManager
-    from logra_jax.lifecycle import (
+    from logra_jax.job import metrics as metrics_lib
+    from logra_jax.job.builders import build_model, build_tasks
+    from logra_jax.job.checkpoint import CheckpointError, CheckpointManager
+    from logra_jax.job.lifecycle import (
         RunPreempted,
         StopRequests,
         check_resume,
@@ -54,10 +53,22 @@ with requires_extra("rl", "logra_jax.train"):
         record_config,
         write_json_atomic,
     )
+    from logra_jax.job.optimizer_plan import check_optimizer_fits
+    from logra_jax.job.phases import Trainer, job_mesh, reference_logprobs
+    from logra_jax.job.run_config import RunConfig
+    from logra_jax.job.sft import cached_warm_start, check_warm_start, final_window, supervised_warm_start
     from logra_jax.models import LoadStats
     from logra_jax.models.hf import export
-    from logra_jax.optimizers import check_optimizer_fits
-    from logra_jax.phases import Trainer, job_mesh, reference_logprobs
+    from logra_jax.parallel import multihost
+    from logra_jax.parallel.sharding import (
+        abstract_sharded,
+        batch_shardings,
+        global_rows,
+        local_rows,
+        process_rows,
+        replicated,
+        to_global,
+    )
     from logra_jax.rl.advantages import advantage_estimator, dynamic_sampling_mask
     from logra_jax.rl.evaluation import greedy_accuracy
     from logra_jax.rl.objective import (
@@ -67,17 +78,6 @@ with requires_extra("rl", "logra_jax.train"):
     from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
     from logra_jax.rollout.engine import rollout_engine
     from logra_jax.rollout.sampling import SamplingConfig
-    from logra_jax.run_config import RunConfig
-    from logra_jax.sft import cached_warm_start, check_warm_start, final_window, supervised_warm_start
-    from logra_jax.sharding import (
-        abstract_sharded,
-        batch_shardings,
-        global_rows,
-        local_rows,
-        process_rows,
-        replicated,
-        to_global,
-    )
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")
@@ -121,7 +121,7 @@ def train_and_evaluate(config: RunConfig | Mapping[str, Any], workdir: str | Pat
     call that raises or runs too long scores 0 and is counted in the `reward_failures` metric).
 
     Resuming: the newest checkpoint (or `train.resume_step`; with `train.resume_fallback` the newest readable
-    one, loudly) is restored when the config's RESUME_FIXED fields (logra_jax.lifecycle) equal the saved run's;
+    one, loudly) is restored when the config's RESUME_FIXED fields (logra_jax.job.lifecycle) equal the saved run's;
     other changed fields are logged. A finished run (summary.json and a checkpoint at `train.steps`) is not
     re-run. SIGTERM / SIGINT stop the run at the next step boundary after a checkpoint (RunPreempted). log.txt
     ends with a `stopped:` line saying why the run ended.

@@ -9,6 +9,7 @@ from pathlib import Path
 import grain
 from jax.sharding import Mesh
 
+from logra_jax.job.run_config import ModelSection, SFTSection, TaskSection
 from logra_jax.models import (
     LoadStats,
     abstract_model,
@@ -22,7 +23,6 @@ from logra_jax.models.decoder import Decoder
 from logra_jax.models.tokenizer import Tokenizer
 from logra_jax.rl.data import GeneratedTasks, JsonlTasks, data_source, problem_batches, record_to_problem
 from logra_jax.rl.tasks import Problem, generate_problem
-from logra_jax.run_config import ModelSection, SFTSection, TaskSection
 
 
 def build_model(cfg: ModelSection, mesh: Mesh | None = None, *, weights: bool = True,

@@ -17,7 +17,7 @@ Run under them with JAX_PLATFORMS=cpu, e.g.
 `target_info(target)` needs no compiler: the chip's published HBM size, peak bf16 FLOP/s, HBM bandwidth and
 inter-chip bandwidth (ICI per TPU chip, NVLink per GPU; per device, with the sources cited in `_CHIPS`), the TPU
 VMEM the compiler allocates (measured) and the GPU shared memory per block. `roofline(flops, hbm_bytes,
-collective_bytes, info)` turns a step's cost (`logra_jax.hlo_cost`) into a time on that chip. GPU targets are
+collective_bytes, info)` turns a step's cost (`logra_jax.planner.hlo_cost`) into a time on that chip. GPU targets are
 described to XLA by a `GpuTargetConfigProto` (text format) written from the vendors' published specifications
 (`gpu_target_config`).
 
@@ -43,8 +43,8 @@ import sys
 
 import jax
 
-from logra_jax import sharding as shd
 from logra_jax.kernels.backend import TPU_VMEM_BYTES
+from logra_jax.parallel import sharding as shd
 
 GIB = 2**30
 
@@ -233,7 +233,7 @@ class Roofline:
 
 def roofline(flops: float, hbm_bytes: float, collective_bytes: float, info: TargetInfo | str) -> Roofline:
     """The roofline time of a step costing `flops`, `hbm_bytes` and `collective_bytes` per device (e.g. the fields
-    of `logra_jax.hlo_cost.HloCost`) on `info`'s chip (a TargetInfo or a target name): see `Roofline`.
+    of `logra_jax.planner.hlo_cost.HloCost`) on `info`'s chip (a TargetInfo or a target name): see `Roofline`.
 
     Raises:
       ValueError: a CPU target (no published figures), or a negative cost.

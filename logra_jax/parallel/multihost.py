@@ -1,7 +1,7 @@
 """Multi-process JAX (`jax.distributed`) from a config or the environment, with a rendezvous that fails cleanly.
 
 Every process of a multi-controller run calls `initialize(config)` before touching devices; afterwards
-`jax.devices()` lists the devices of all processes and one global mesh (`logra_jax.sharding.make_mesh`) spans
+`jax.devices()` lists the devices of all processes and one global mesh (`logra_jax.parallel.sharding.make_mesh`) spans
 them. On CPU the cross-process collectives use gloo.
 
 `jax.distributed.initialize` aborts the process (SIGABRT from C++) when a peer never arrives, instead of raising.

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from logra_jax.rollout.torch_projection import slice_projections
+from logra_jax.rollout.vllm.torch_projection import slice_projections
 from logra_jax.rollout.wire import PayloadError, payload_checksum, unpack
 
 FORMAT = "logra-sync/2"

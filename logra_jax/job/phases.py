@@ -1,7 +1,7 @@
-"""The main job's phases, built once for the job (logra_jax.train) and for its compile-only plan (logra_jax.plan).
+"""The main job's phases, built once for the job (logra_jax.job.train) and for its compile-only plan (logra_jax.plan).
 
   start        the mesh (`job_mesh`) and the model created or read straight into its shards (builders.build_model)
-  warm start   the SFT step on the mesh (logra_jax.sft.sft_step)
+  warm start   the SFT step on the mesh (logra_jax.job.sft.sft_step)
   trainer      the optimizer state created in its shards from the weights (`Trainer`: init under jit with
                out_shardings, weights donated), or only its abstract shapes for a restore
   RL step      rollout (`rollout_sampler`), KL reference log-probs (`reference_logprobs`), the train step
@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax.optimizers import OptimizerPlan, build_optimizer
+from logra_jax.job.optimizer_plan import OptimizerPlan, build_optimizer
+from logra_jax.job.run_config import RunConfig, TrainSection
+from logra_jax.job.train_step import TrainState, make_train_step, step_shardings
+from logra_jax.parallel.sharding import batch_shardings, jit_train_step, make_mesh, replicated
 from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, response_logprobs, rl_batch_shapes
-from logra_jax.run_config import RunConfig, TrainSection
-from logra_jax.sharding import batch_shardings, jit_train_step, make_mesh, replicated
-from logra_jax.train_step import TrainState, make_train_step, step_shardings
 
 
 def job_mesh(train: TrainSection, devices: list[jax.Device] | None = None) -> Mesh:

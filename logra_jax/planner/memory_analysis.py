@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from logra_jax import sharding as shd
-from logra_jax.hlo_cost import hlo_cost
+from logra_jax.job.optimizer_plan import build_optimizer
+from logra_jax.job.run_config import OptimizerSection
+from logra_jax.job.train_step import TrainState, make_train_step, step_shardings
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import init_model
-from logra_jax.optimizers import build_optimizer
+from logra_jax.parallel import sharding as shd
+from logra_jax.planner.hlo_cost import hlo_cost
 from logra_jax.rl.losses import LossConfig
 from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, rl_batch_shapes
-from logra_jax.run_config import OptimizerSection
-from logra_jax.train_step import TrainState, make_train_step, step_shardings
 
 
 def options_for(platform: str, compiler_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -47,25 +47,26 @@ def step_memory(step: Callable[..., Any], init_fn: Callable[[], tuple[Any, Any]]
                 compiler_options: Mapping[str, Any] | None = None, with_cost: bool = False) -> dict[str, int]:
     """Per-device bytes of one sharded train step, compile-only: nothing is allocated.
 
-    The mesh may hold compile-only TPU or GPU devices (`logra_jax.aot.mesh`): then that chip's compiler plans the
+    The mesh may hold compile-only TPU or GPU devices (`logra_jax.planner.aot.mesh`): then that chip's compiler
+    plans the
     step (and the Pallas kernels are chosen for it), and a step that does not fit its memory raises the
     compiler's error.
 
-    The state and `rest` get `logra_jax.train_step.step_shardings` (parameters by their logical axes; optimizer
+    The state and `rest` get `logra_jax.job.train_step.step_shardings` (parameters by their logical axes; optimizer
     state and sketch probes follow their kernels, LoGRA's by the targets' declared dims), the batch
     `batch_shardings`; the step is jitted with `jit_train_step`
     (state donated), lowered from `abstract_sharded` inputs and compiled, and XLA's memory analysis is read:
       total = argument + output + temp − alias        (alias: donated buffers the outputs reuse, counted once)
 
     Args:
-      step: step(state, rest, batch) -> (state, metrics), e.g. from `logra_jax.train_step.make_train_step`.
+      step: step(state, rest, batch) -> (state, metrics), e.g. from `logra_jax.job.train_step.make_train_step`.
       init_fn: () -> (TrainState, rest); only traced (`jax.eval_shape`).
       abstract_batch: the global batch as ShapeDtypeStructs.
       mesh, rules: the mesh and logical rules the step is sharded with.
       compiler_options: XLA options for the compilation (e.g. `FAST_CPU_COMPILE`; its XLA:CPU options, found by
         name in any mapping, are dropped when the mesh is not CPU; other options are kept).
       with_cost: also return the step's cost per device from its compiled HLO, every loop iteration counted
-        (`logra_jax.hlo_cost`): "flops", "matmul_flops", "bytes_accessed", "collective_bytes",
+        (`logra_jax.planner.hlo_cost`): "flops", "matmul_flops", "bytes_accessed", "collective_bytes",
         "unknown_trip_counts" and "uncounted_custom_calls" (how many loops counted once, how many kernels
         without a declared cost); and the compiler's own `cost_analysis()` as "xla_flops" /
         "xla_bytes_accessed" (loop bodies counted once; None where the compiler gives none, e.g. XLA:GPU).

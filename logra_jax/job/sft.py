@@ -19,11 +19,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from logra_jax import multihost
-from logra_jax.rl.prompts import PromptFormat, TextTokenizer, encode_sft
-from logra_jax.rl.tasks import Problem
-from logra_jax.run_config import SFTSection
-from logra_jax.sharding import (
+from logra_jax.job.run_config import SFTSection
+from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
+from logra_jax.parallel import multihost
+from logra_jax.parallel.sharding import (
     MeshConfig,
     batch_shardings,
     jit_train_step,
@@ -33,7 +32,8 @@ from logra_jax.sharding import (
     to_global,
     train_state_shardings,
 )
-from logra_jax.train_step import TrainState, make_train_step, next_token_loss
+from logra_jax.rl.prompts import PromptFormat, TextTokenizer, encode_sft
+from logra_jax.rl.tasks import Problem
 
 SFT_BATCH = {"tokens": jnp.int32, "attention_mask": jnp.bool_, "loss_mask": jnp.bool_}  # `encode_sft`'s arrays
 

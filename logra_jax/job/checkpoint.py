@@ -10,7 +10,8 @@ shows up as a step (and its leftover is removed when the next manager opens the 
 newest steps.
 
 Orbax does not notice every corruption: a flipped byte inside an array chunk restores silently wrong numbers. So
-every saved leaf carries a fingerprint of its bits (`logra_jax.fingerprint`), computed on device where the leaf lies
+every saved leaf carries a fingerprint of its bits (`logra_jax.core.fingerprint`), computed on device where the
+leaf lies
 and checked after restore:
   words w_i = the leaf's bits as uint32 in row-major order (8/16-bit types zero-extended, 64-bit types split),
   c_i = (i · 0x9E3779B1 + 0x7F4A7C15) | 1,   fingerprint = Σ_i c_i w_i  mod 2³².
@@ -47,10 +48,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from logra_jax import multihost
-from logra_jax.fingerprint import leaf_fingerprints
+from logra_jax.core.fingerprint import leaf_fingerprints
+from logra_jax.parallel import multihost
 
-LAYOUT_FORMAT = "logra_jax.checkpoint/1"
+LAYOUT_FORMAT = "logra_jax.job.checkpoint/1"
 _ITEMS = ("state", "data", "extra", "layout")
 
 
@@ -269,7 +270,7 @@ class CheckpointManager:
         Args:
           step: the step to restore; None for the newest complete one.
           abstract: the target tree: jax.ShapeDtypeStruct leaves (with shardings, e.g. from eval_shape plus
-            `logra_jax.sharding`) or arrays like the ones saved (their shape, dtype and sharding are used).
+            `logra_jax.parallel.sharding`) or arrays like the ones saved (their shape, dtype and sharding are used).
             A leaf without a sharding comes back with the sharding it was saved with (same topology only).
             Typed PRNG key leaves are re-wrapped with their dtype's implementation.
 

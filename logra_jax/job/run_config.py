@@ -4,7 +4,7 @@ configs/*.py return ConfigDicts (the user edge); `RunConfig.from_dict` turns one
 raises ValueError naming the field ("optimizer.rank") and the value on anything unknown, mistyped or out of
 range, before any work starts. Library code below train.py only sees the dataclasses; the sections translate
 themselves into the library's own settings (`rollout.sampling`, `algorithm.loss`, `algorithm.estimator_options`,
-`train.mesh`, `task.spec`, `sft.spec`; the optimizer's in logra_jax.optimizers).
+`train.mesh`, `task.spec`, `sft.spec`; the optimizer's in logra_jax.job.optimizer_plan).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from logra_jax.optim.projection import DISTRIBUTIONS
 from logra_jax.optim.row_adam import VARIANTS as ROW_ADAM_VARIANTS
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.update_ratio import SCOPES
+from logra_jax.parallel.sharding import MeshConfig
 from logra_jax.rl.advantages import ESTIMATORS, WHITENINGS
 from logra_jax.rl.losses import AGGREGATIONS, POLICIES, LossConfig
 from logra_jax.rl.prompts import PROMPT_STYLES
 from logra_jax.rl.tasks import GENERATED_KINDS, TaskSpec
 from logra_jax.rollout.sampling import SamplingConfig
-from logra_jax.sharding import MeshConfig
 
 
 def _fail(field: str, value: Any, why: str) -> None:
@@ -259,12 +259,12 @@ class RolloutSection:
             self.vllm_settings()
 
     def vllm_settings(self) -> Any:
-        """The vLLM engine's settings (logra_jax.rollout.vllm_engine.VLLMSettings) from the vllm_* fields.
+        """The vLLM engine's settings (logra_jax.rollout.vllm.engine.VLLMSettings) from the vllm_* fields.
 
         Raises:
           ValueError: a vllm_* field VLLMSettings rejects (named config.rollout.vllm_<field>).
         """
-        from logra_jax.rollout.vllm_engine import VLLMSettings
+        from logra_jax.rollout.vllm.engine import VLLMSettings
 
         return VLLMSettings(python=self.vllm_python, tensor_parallel_size=self.vllm_tensor_parallel,
                             gpu_memory_utilization=self.vllm_memory_fraction, dtype=self.vllm_dtype,
@@ -317,7 +317,7 @@ class AlgorithmSection:
         _check_range("algorithm", "kl_beta", self.kl_beta, 0.0)
 
 
-# The optimizers `logra_jax.optimizers.build_optimizer` builds from this section, and what LoGRA does with the
+# The optimizers `logra_jax.job.optimizer_plan.build_optimizer` builds from this section, and what LoGRA does with the
 # parameters it does not target: the config's own vocabulary (no module below owns these names).
 OPTIMIZER_NAMES = ("logra", "adamw", "galore", "adafactor", "row_adam")
 NON_TARGET_CHOICES = ("frozen", "adamw")

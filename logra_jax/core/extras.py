@@ -3,7 +3,7 @@
 `pip install logra_jax` brings the core (jax, jaxlib, numpy, optax): all that `logra_jax.optim` and
 `logra_jax.kernels` import. The RL job and the modules around it (models, sketch-native probes, rl, checkpoints,
 metrics) need the `rl` extra: `pip install 'logra_jax[rl]'`. The public entry points that need it —
-`logra_jax.main`, `logra_jax.train`, `logra_jax.models`, `logra_jax.native` — import under `requires_extra`, so
+`logra_jax.main`, `logra_jax.job.train`, `logra_jax.models`, `logra_jax.native` — import under `requires_extra`, so
 that without the extra they raise a ModuleNotFoundError that names it, instead of only the first missing package.
 """
 

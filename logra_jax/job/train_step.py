@@ -1,7 +1,8 @@
 """One optimizer step over microbatches, for any optax transformation and any model loss.
 
 `make_train_step` returns a pure function `step(state, rest, batch, *, probe=None, **extra) -> (state, metrics)`
-for the caller to jit (with shardings and donation, see logra_jax.sharding). Two ways to get the gradient signal:
+for the caller to jit (with shardings and donation, see logra_jax.parallel.sharding). Two ways to get the gradient
+signal:
   - "dense": float32 gradients of the trainable parameters, accumulated over microbatches with `lax.scan`;
   - "sketch_native": target layers hand over S = Hᵀ(X Aᵀ) through their sketch probes (no dense target
     gradient); targets enter the optax chain as LowRankUpdate leaves, which `scale_by_sketch` passes through.
@@ -26,6 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from logra_jax.core.tree_paths import path_str
 from logra_jax.native.kl_probe import make_kl_probe, realised_kl
 from logra_jax.native.sketch_probes import SketchProbe, check_probes_match, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
@@ -33,9 +35,8 @@ from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
 from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where
 from logra_jax.optim.spec import sketch_spec, state_targets
 from logra_jax.optim.targets import find_targets
+from logra_jax.parallel.sharding import DEFAULT_RULES, LogicalRules, param_shardings, train_state_shardings
 from logra_jax.rl.losses import LOSS_DENOMINATOR
-from logra_jax.sharding import DEFAULT_RULES, LogicalRules, param_shardings, train_state_shardings
-from logra_jax.tree_paths import path_str
 
 LossFn = Callable[[nnx.Module, Mapping[str, jax.Array]], tuple[jax.Array, Mapping[str, jax.Array]]]
 Trainable = Callable[[tuple, Any], bool]
@@ -147,7 +148,7 @@ def step_shardings(abstract_state: TrainState, abstract_rest: Any, mesh: Mesh,
     Parameters from their logical-axis metadata; the optimizer state and the sketch probes follow their
     parameters, the optimizer's LoGRA targets (`state_targets`, read from the state's SketchSpec) by their
     declared dims — the same `Target.state_spec` an eager `init` on sharded parameters places row moments by —
-    and every other leaf by size (`logra_jax.sharding.opt_state_shardings`).
+    and every other leaf by size (`logra_jax.parallel.sharding.opt_state_shardings`).
 
     Args:
       abstract_state: the TrainState (arrays or ShapeDtypeStructs, e.g. from `jax.eval_shape(init_fn)`).

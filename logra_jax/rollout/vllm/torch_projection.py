@@ -2,7 +2,7 @@
 
 An engine that runs in PyTorch (vLLM) merges W ← W + U·A from the factor U and the seed alone, so it must draw the
 very A the trainer's JAX code drew. This module repeats JAX's computation step by step, in integer arithmetic
-wherever JAX's is integer, and imports only torch, the standard library and `logra_jax.giles` (constants; it runs
+wherever JAX's is integer, and imports only torch, the standard library and `logra_jax.core.giles` (constants; it runs
 inside vLLM's process):
 
   seed      = (base · 1_000_003 + step · 7_919 + digest(path)) mod 2^62              (`layer_seed`)
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from logra_jax.giles import ERFINV_GE5, ERFINV_LT5
+from logra_jax.core.giles import ERFINV_GE5, ERFINV_LT5
 
 DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian")
 

@@ -1,0 +1,590 @@
+"""The whole job's memory, phase by phase, compile-only for a named target: run it before renting accelerators.
+
+  python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=v5e:2x4
+  python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=cpu:8 --hbm_gib=16
+
+Every phase of `logra_jax.job.train` is built by the same code the job runs (logra_jax.job.phases, logra_jax.job.sft,
+logra_jax.rollout), lowered from abstract sharded inputs (nothing is allocated) and compiled for the target's
+devices (logra_jax.planner.aot: the TPU compiler for v4/v5e/v5p/v6e, XLA:GPU for h100/h200/a100, each in its own venv;
+fake XLA:CPU devices for cpu:N). A phase's per-device bytes are its program's (argument + output + temp − alias,
+`compiled.memory_analysis()`) plus what the job keeps alive beside it and the program does not take:
+  start         the weights created (or read) into their shards
+  warm start    the SFT step: weights, AdamW moments, batch (only with sft.steps > 0)
+  trainer init  the optimizer state created from the donated weights
+  rollout       the colocated engine's largest program (its prefill into slots, or a decode chunk over the whole
+                cache; compute-dtype weights in the decode layout, KV cache of rollout.slots rows) + the train
+                state and any reference beside it
+  KL reference  the reference policy's log-probs (only with algorithm.kl_beta > 0)
+  train step    the RL step with its KL probe + the engine's weights and any reference
+  policy sync   the engine's publish: the trainer's weights cast and resharded into the decode layout, beside the
+                train state and the reference (the engine drops its previous copy first)
+  evaluation    the engine's greedy decoding of prompts_per_step × num_samples held-out prompts
+The largest is named. Exit status 0 when every phase fits the HBM (`--hbm_gib`, default the target's per-device
+HBM), 3 when one does not (naming it and what to change), 2 for bad flags, 1 for other errors. A phase that the
+TPU compiler refuses for memory is reported with the bytes the compiler asked for.
+Not counted: the host (a checkpoint is read one layer's slice of one parameter at a time), the rollout
+worker process of rollout.workers = 1 (its own devices), the framework's own reservations on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from logra_jax.parallel.sharding import device_bytes
+
+GIB = 2**30
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's out-of-HBM reports (XLA:GPU and XLA:CPU compile whatever the size).
+_OOM = (re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm"),
+        re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"))
+
+
+def parse_oom(message: str) -> tuple[int, int] | None:
+    """(required, available) bytes from the TPU compiler's out-of-HBM error, or None if it is not one.
+
+    Example:
+      >>> parse_oom("Ran out of memory in memory space hbm. Used 32.78G of 15.75G hbm. Exceeded hbm capacity")
+      (35197256991, 16911433728)
+    """
+    for pattern in _OOM:
+        found = pattern.search(message)
+        if found:
+            return (round(float(found[1]) * _UNITS[found[2]]), round(float(found[3]) * _UNITS[found[4]]))
+    return None
+
+
+@dataclasses.dataclass
+class PhaseBytes:
+    """One phase's per-device bytes: its program's (`program`: argument/output/temp/alias/total, or the bytes the
+    TPU compiler asked for when it refused) and what stays alive beside it (`others`)."""
+
+    name: str
+    program: dict[str, int]
+    others: int
+    note: str = ""
+    refused: str = ""  # the compiler's out-of-memory message, when it refused the program
+    # Time on paper (`PhaseTime.of`): the program's cost per device and its estimated seconds per run; None when
+    # the compiler refused it.
+    time: dict[str, Any] | None = None
+    per_decode_step: dict[str, Any] | None = None  # the engine's phases: one decode step over every slot
+
+    @property
+    def total(self) -> int:
+        return self.program["total"] + self.others
+
+
+def program_time(compiled: Any, info: Any, floor_bytes: float, runs: float = 1.0,
+                 loop_iterations: int | None = None) -> dict[str, Any]:
+    """One program's cost per device from its optimized HLO (`logra_jax.planner.hlo_cost`: every loop iteration
+    counted),
+    and its estimated seconds on `info`'s chip (`logra_jax.planner.aot.roofline`: max(flops / peak, HBM bytes /
+    bandwidth)
+    + collective bytes / link bandwidth), times `runs`; est_seconds None for a CPU target (no published figures).
+    floor_bytes: the HBM bytes the program cannot do without (its bandwidth floor). loop_iterations = k: the cost
+    of one iteration of the program's loop whose trip count only the run knows (a decode chunk's steps), with the
+    work outside it spread over k iterations."""
+    from logra_jax.planner import aot
+    from logra_jax.planner.hlo_cost import hlo_cost
+
+    cost = hlo_cost(compiled.as_text())
+    flops, hbm, coll = cost.flops, cost.bytes_accessed, cost.collective_bytes
+    if loop_iterations:
+        loop = cost.unknown_loop_iteration
+        flops, hbm, coll = (part + (whole - part) / loop_iterations
+                            for part, whole in zip(loop, (flops, hbm, coll)))
+    out = {"flops": flops, "hbm_bytes": hbm, "collective_bytes": coll,
+           "floor_bytes": float(floor_bytes), "runs": runs, "est_seconds": None, "floor_seconds": None}
+    if info is not None and info.hbm_bandwidth is not None and info.peak_bf16_flops is not None:
+        roof = aot.roofline(flops, hbm, coll, info)
+        out.update(est_seconds=runs * roof.seconds, floor_seconds=runs * floor_bytes / info.hbm_bandwidth,
+                   bound=roof.bound)
+    return out
+
+
+def _io_bytes(program: dict[str, int]) -> int:
+    """A program's arguments and outputs, each touched once: the floor of its HBM traffic."""
+    return program.get("argument", 0) + program.get("output", 0) - program.get("alias", 0)
+
+
+def compiled_bytes(jitted: Any, *args: Any, **kwargs: Any) -> tuple[dict[str, int], str, Any]:
+    """Lower and compile `jitted` from abstract `args`: (its per-device bytes, "", the compiled program) — or, when
+    the TPU compiler refuses it for memory, ({"total": required bytes}, the compiler's message, None); where the
+    compiler reports only the temporaries it needs, the arguments' bytes are added."""
+    try:
+        compiled = jitted.lower(*args, **kwargs).compile()
+        m = compiled.memory_analysis()
+    except Exception as err:  # the compiler's refusal is the measurement
+        oom = parse_oom(str(err))
+        if oom is None:
+            raise
+        arguments = device_bytes(args) if "temporaries" in str(err) else 0
+        return ({"temp": oom[0], "argument": arguments, "total": oom[0] + arguments},
+                next(line for line in str(err).splitlines() if "hbm" in line.lower()), None)
+    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
+           "alias": m.alias_size_in_bytes}
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out, "", compiled
+
+
+def planning_config(config: Mapping[str, Any]) -> Any:
+    """The RunConfig to plan: a config whose checkpoint or data files are not given yet (the paper's recipe before
+    downloading) is planned with random weights of its preset and a placeholder task (memory depends on shapes,
+    lengths and batch sizes, not on the data)."""
+    from logra_jax.job.run_config import RunConfig
+
+    d = json.loads(json.dumps(dict(config.to_dict() if hasattr(config, "to_dict") else config)))
+    if not d["model"].get("checkpoint"):
+        d["model"]["tokenizer"] = "char"
+    if d["task"].get("kind") == "jsonl" and not (d["task"].get("jsonl_train") and d["task"].get("jsonl_eval")):
+        d["task"].update(kind="arithmetic", jsonl_train="", jsonl_eval="")
+    return RunConfig.from_dict(d)
+
+
+@dataclasses.dataclass
+class _Job:
+    """The objects the job builds, abstract and sharded, that every phase's plan reads: the model and trainer, the
+    train state, the KL reference, the engine's decode layout and the leaves the engine holds beside the trainer's,
+    and the compile function."""
+
+    run: Any
+    mesh: Any
+    prompt_len: int
+    jit: Callable[..., Any]
+    model: Any
+    params: Any
+    rest: Any
+    trainer: Any
+    state: Any
+    trainer_rest: Any
+    ref: Any
+    layout: Any
+    engine: Any
+    engine_copied: int
+    engine_shared: int
+    info: Any = None  # the target's TargetInfo (chip figures for the time on paper)
+
+    def alive(self, *names: str) -> int:
+        """Per-device bytes of what the job keeps: "state" (train state + the model's other state), "ref" (the KL
+        reference), "engine" (the engine's own copies, not the trainer leaves it shares)."""
+        sizes = {"state": device_bytes((self.state, self.trainer_rest)),
+                 "ref": 0 if self.ref is None else device_bytes(self.ref), "engine": self.engine_copied}
+        return sum(sizes[n] for n in names)
+
+
+def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None, info: Any) -> _Job:
+    from logra_jax.job.builders import build_model
+    from logra_jax.job.phases import Trainer
+    from logra_jax.parallel.sharding import abstract_sharded, param_shardings
+    from logra_jax.rollout.engine import DecodeLayout
+    from logra_jax.rollout.sync import flat_params
+
+    options = None if compiler_options is None else dict(compiler_options)
+    jit = lambda f, **kw: jax.jit(f, compiler_options=options, **kw)
+    model, _ = build_model(run.model, mesh, weights=False)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params = abstract_sharded(params, param_shardings(params, mesh))
+    rest = abstract_sharded(rest, param_shardings(rest, mesh))
+    trainer = Trainer.build(run, model, mesh)
+    state = abstract_sharded(trainer.abstract_state, trainer.state_sh)
+    trainer_rest = abstract_sharded(trainer.abstract_rest, trainer.rest_sh)
+    # The reference is stored as the trainer stores its weights (train.py), so it is the state's params' shapes.
+    ref = state.params if run.algorithm.kl_beta > 0 else None
+    layout = engine = None
+    copied = shared_bytes = 0
+    if run.rollout.workers == 0:  # the colocated engine, in its decode layout, built from the trainer's model
+        layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor, run.rollout.per_layer)
+        shared, to_copy = layout.split({**flat_params(trainer_rest), **flat_params(state.params)})
+        engine = layout.abstract
+        copied, shared_bytes = layout.device_bytes(to_copy), layout.device_bytes(shared)
+    return _Job(run, mesh, prompt_len, jit, model, params, rest, trainer, state, trainer_rest, ref, layout, engine,
+                copied, shared_bytes, info)
+
+
+def _prompts(job: _Job, rows: int, mesh: Any) -> tuple[Any, Any]:
+    from logra_jax.parallel.sharding import abstract_sharded, batch_shardings
+
+    prompts = jax.ShapeDtypeStruct((rows, job.prompt_len), jnp.int32)
+    prompts = abstract_sharded(prompts, batch_shardings(prompts, mesh))
+    return prompts, _mask(prompts)
+
+
+def _timed(job: _Job, name: str, compiled_result: tuple[dict[str, int], str, Any], others: int, note: str,
+           runs: float = 1.0) -> PhaseBytes:
+    """A phase of one program (`compiled_bytes`' result) with its time on paper (floor: its arguments and outputs
+    touched once), `runs` times per run of the phase."""
+    program, refused, compiled = compiled_result
+    time = None if compiled is None else program_time(compiled, job.info, _io_bytes(program), runs)
+    return PhaseBytes(name, program, others, note, refused, time)
+
+
+def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int, note: str) -> PhaseBytes:
+    """A phase run by the engine (logra_jax.rollout.slots) for `prompts` prompts under `sampling`: its programs
+    start, refill (the prefill of K prompts into slots) and one decode chunk attending over the whole cache; the
+    phase's bytes are the largest program's. Time on paper: every response at its budget N (an upper bound), so
+    the rows run in ⌈R / S⌉ waves of one refill and N decode steps; per decode step the decode program's cost (one
+    iteration of its while loop, whose trip count the compiler cannot know, and the chunk's work outside the loop
+    spread over its decode_steps) against the bandwidth floor, the engine's weights / devices + the KV cache read /
+    devices."""
+    from logra_jax.parallel.sharding import abstract_sharded
+    from logra_jax.rollout import slots as slots_lib
+
+    mesh, graphdef, state = job.layout.mesh, job.layout.graphdef, job.engine
+    prompt_arr, mask = _prompts(job, prompts, mesh)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rows = prompts * sampling.num_samples
+    S, K = slots_lib.num_slots(sampling, rows), slots_lib.prefill_lanes(sampling, prompts, rows)
+    note = f"{note}, {S} slots; engine weights (decode layout, tensor {job.layout.tensor}) + KV cache"
+    largest, refused, compiled = compiled_bytes(slots_lib.start, graphdef, state, prompt_arr, mask, config=sampling,
+                                                num_slots=S, mesh=mesh)
+    if compiled is None:
+        return PhaseBytes(name, largest, others, note, refused)
+    out = jax.eval_shape(lambda s, p, m: slots_lib.start(graphdef, s, p, m, config=sampling, num_slots=S, mesh=mesh),
+                         state, prompt_arr, mask)
+    slots, packed, packed_mask = abstract_sharded(out, compiled.output_shardings)
+    lane = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)
+    refill_bytes, refused, refill = compiled_bytes(slots_lib.refill, graphdef, state, slots, packed, packed_mask,
+                                                   lane(K), lane(S), lane(S), lane(S), config=sampling, mesh=mesh)
+    largest = max(largest, refill_bytes, key=lambda b: b["total"])
+    if refused:
+        return PhaseBytes(name, largest, others, note, refused)
+    decode_bytes, refused, decode = compiled_bytes(slots_lib.decode_program(slots), graphdef, state, slots, key,
+                                                   config=sampling, bucket=job.prompt_len + sampling.max_new_tokens,
+                                                   mesh=mesh)
+    largest = max(largest, decode_bytes, key=lambda b: b["total"])
+    if refused:
+        return PhaseBytes(name, largest, others, note, refused)
+    devices = mesh.devices.size
+    kv_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((slots.cache.k, slots.cache.v)))
+    weights = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    step = program_time(decode, job.info, (weights + kv_bytes) / devices, loop_iterations=sampling.decode_steps)
+    waves = -(-rows // S)
+    prefill = program_time(refill, job.info, _io_bytes(refill_bytes), runs=waves)
+    time = {key_: step[key_] * waves * sampling.max_new_tokens + prefill[key_]
+            for key_ in ("flops", "hbm_bytes", "collective_bytes", "floor_bytes")}
+    time.update(runs=1, decode_steps=waves * sampling.max_new_tokens, refills=waves, est_seconds=None,
+                floor_seconds=None)
+    if step["est_seconds"] is not None:
+        time.update(est_seconds=step["est_seconds"] * time["decode_steps"] + prefill["est_seconds"],
+                    floor_seconds=step["floor_seconds"] * time["decode_steps"] + prefill["floor_seconds"])
+    return PhaseBytes(name, largest, others, note, "", time, step)
+
+
+def _phase_start(job: _Job) -> PhaseBytes:
+    from logra_jax.models.decoder import abstract_model, init_model
+    from logra_jax.parallel.sharding import param_shardings
+
+    config = job.model.config
+    init_sh = param_shardings(nnx.split(abstract_model(config))[1], job.mesh)
+    result = compiled_bytes(job.jit(lambda: nnx.split(init_model(config, job.run.model.init_seed))[1],
+                                    out_shardings=init_sh))
+    return _timed(job, "start", result, 0, "weights created in their shards (a checkpoint: read slice by slice, one "
+                  "layer's slice of one parameter on the host)")
+
+
+def _phase_warm_start(job: _Job) -> PhaseBytes:
+    from logra_jax.job.sft import sft_step
+    from logra_jax.parallel.sharding import abstract_sharded, batch_shardings
+
+    run = job.run
+    length = job.prompt_len + run.rollout.max_new_tokens
+    graphdef = nnx.split(job.model, nnx.Param, ...)[0]
+    step, sft_init, batch, sft_state_sh = sft_step(graphdef, job.params, job.rest, run.sft, job.mesh, length)
+    sft_state = jax.eval_shape(sft_init, job.params)  # the warm start's own TrainState, shapes only
+    result = compiled_bytes(step, abstract_sharded(sft_state, sft_state_sh), job.rest,
+                            abstract_sharded(batch, batch_shardings(batch, job.mesh)))
+    return _timed(job, "warm start", result, 0, f"SFT: AdamW on every weight, {run.sft.batch_size} sequences of "
+                  f"{length} tokens, {run.sft.steps} steps", runs=run.sft.steps)
+
+
+def _phase_trainer_init(job: _Job) -> PhaseBytes:
+    return _timed(job, "trainer init", compiled_bytes(job.trainer.init, job.params, job.rest), 0,
+                  f"{job.run.optimizer.name} state from the donated weights")
+
+
+def _phase_rollout(job: _Job) -> PhaseBytes:
+    run = job.run
+    sampling = run.rollout.sampling(eos_id=0, pad_id=0)
+    rows = run.rollout.prompts_per_step * sampling.num_samples
+    return _engine_phase(job, "rollout", sampling, run.rollout.prompts_per_step,
+                         job.alive("state", "ref") - job.engine_shared,
+                         f"{rows} responses of ≤ {run.rollout.max_new_tokens} tokens")
+
+
+def _phase_kl_reference(job: _Job) -> PhaseBytes:
+    from logra_jax.job.phases import reference_logprobs
+    from logra_jax.parallel.sharding import abstract_sharded, batch_shardings
+
+    run, mesh = job.run, job.mesh
+    ref_fn = reference_logprobs(job.trainer, run, mesh, job.prompt_len)
+    rows = {k: v for k, v in job.trainer.rl_step(run, mesh, job.prompt_len).batch.items()
+            if k in ("tokens", "attention_mask")}
+    result = compiled_bytes(ref_fn, job.ref, job.trainer_rest, abstract_sharded(rows, batch_shardings(rows, mesh)))
+    return _timed(job, "KL reference", result, job.alive("state"),
+                  "the reference policy's log-probs (the engine has released its copy)")
+
+
+def _phase_train_step(job: _Job) -> PhaseBytes:
+    from logra_jax.parallel.sharding import abstract_sharded, batch_shardings
+
+    run, mesh = job.run, job.mesh
+    step_fn, batch, probe = job.trainer.rl_step(run, mesh, job.prompt_len)
+    result = compiled_bytes(step_fn, job.state, job.trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
+                            None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
+    probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
+    rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    return _timed(job, "train step", result, job.alive("ref"),
+                  f"{rows} sequences in {run.train.microbatches} microbatches{probe_note} (the engine has released "
+                  "its copy)")
+
+
+def _phase_policy_sync(job: _Job) -> PhaseBytes:
+    """The engine's publish: the trainer's weights cast and resharded into the decode layout, group by group (the
+    job's own programs, `DecodeLayout.groups` and `.cast`; the engine drops its previous copy first). Its bytes are
+    those of the group whose program peaks highest beside the trainer's state, the reference and the engine
+    weights the groups before it built; its time, all the groups'."""
+    from logra_jax.rollout.sync import flat_params
+
+    shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
+    groups = job.layout.groups(to_copy) or [{}]  # every leaf shared (one device, trainer's dtype): an empty program
+    alive, built, worst, times = job.alive("state", "ref"), 0, None, []
+    for group in groups:
+        result = compiled_bytes(job.layout.cast(group), group)
+        phase = _timed(job, "policy sync", result, alive - device_bytes(group) + built,
+                       f"the trainer's weights cast to {job.layout.config.param_dtype} and resharded into the decode "
+                       f"layout ({len(to_copy)} leaves in {len(groups)} programs; {len(shared)} shared as they are)")
+        if worst is None or phase.total > worst.total:
+            worst = phase
+        if result[1]:  # refused for memory
+            return phase
+        times.append(phase.time)
+        built += result[0]["output"]
+    if len(times) > 1:  # the phase's time: every group's program once
+        add = lambda k: None if any(t[k] is None for t in times) else sum(t[k] for t in times)
+        worst.time = {**worst.time, **{k: add(k) for k in ("flops", "hbm_bytes", "collective_bytes", "floor_bytes",
+                                                           "est_seconds", "floor_seconds")}}
+    return worst
+
+
+def _phase_evaluation(job: _Job) -> PhaseBytes:
+    run = job.run
+    rows = run.rollout.prompts_per_step * run.rollout.num_samples
+    return _engine_phase(job, "evaluation", run.rollout.sampling(eos_id=0, pad_id=0, greedy=True), rows,
+                         job.alive("state", "ref") - job.engine_shared,
+                         f"greedy decoding of {rows} held-out prompts by the engine")
+
+
+_PHASE_PLANS: dict[str, Callable[[_Job], PhaseBytes]] = {
+    "start": _phase_start, "warm start": _phase_warm_start, "trainer init": _phase_trainer_init,
+    "rollout": _phase_rollout, "KL reference": _phase_kl_reference, "train step": _phase_train_step,
+    "policy sync": _phase_policy_sync, "evaluation": _phase_evaluation}
+
+
+def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mapping[str, Any] | None = None,
+                only: Collection[str] | None = None, info: Any = None,
+                progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
+    """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
+
+    Args:
+      run: the RunConfig.
+      mesh: the job's mesh (`phases.job_mesh` over `aot.devices(target)`).
+      prompt_len: prompt tokens per sequence (the job measures it from its data; the paper's recipe: 512).
+      compiler_options: XLA options for every compilation (e.g. `sharding.FAST_CPU_COMPILE` for XLA:CPU).
+      only: the names of the phases to compile (default all; `PHASES`).
+      info: the target's `aot.TargetInfo` (chip figures for each phase's time on paper; None: bytes only).
+      progress: called with each phase's name before it compiles.
+    """
+    job = _job(run, mesh, prompt_len, compiler_options, info)
+    applies = {"warm start": bool(run.sft.steps), "KL reference": job.ref is not None,
+               "rollout": job.layout is not None, "policy sync": job.layout is not None,
+               "evaluation": job.layout is not None}
+    phases = []
+    for name, plan in _PHASE_PLANS.items():
+        if applies.get(name, True) and (only is None or name in only):
+            progress(name)
+            phases.append(plan(job))
+    return phases
+
+
+def job_prompt_length(run: Any, default: int = 512) -> int:
+    """The prompt length the job would use: measured from the task's problems with the model's tokenizer (the
+    task prepared in a temporary directory), or `default` for a JSONL task planned before its files exist."""
+    import tempfile
+
+    from logra_jax.job.builders import build_model, build_tasks
+    from logra_jax.rl.prompts import PromptFormat, max_prompt_length
+
+    if run.task.kind == "jsonl" and not run.task.jsonl_train:
+        return default
+    _, tokenizer = build_model(run.model, weights=False)
+    fmt = PromptFormat(run.task.prompt_style)
+    with tempfile.TemporaryDirectory() as data:
+        tasks = build_tasks(run.task, run.sft, Path(data))
+        return max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems], tokenizer,
+                                 fmt)
+
+
+def _mask(prompts: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(prompts.shape, jnp.bool_, sharding=prompts.sharding)
+
+
+PHASES = ("start", "warm start", "trainer init", "rollout", "KL reference", "train step", "policy sync",
+          "evaluation")
+# What to change when a phase does not fit.
+ADVICE = {
+    "start": "more devices (train.mesh_fsdp), or tensor parallelism (train.mesh_tensor)",
+    "warm start": "a smaller sft.batch_size, sft.steps = 0 (a checkpoint that already answers in format), or more "
+                  "devices",
+    "trainer init": "more devices, or a leaner optimizer (LoGRA instead of AdamW)",
+    "rollout": "fewer rollout.slots (the KV cache holds `slots` rows), a larger rollout.decode_tensor (the engine's "
+               "weights split over more devices), rollout.workers = 1 on other devices, or more devices",
+    "KL reference": "more devices, or algorithm.kl_beta = 0",
+    "train step": "more train.microbatches (activations per microbatch), fewer optimizer.probe_responses, or more "
+                  "devices",
+    "policy sync": "a larger rollout.decode_tensor, or more devices",
+    "evaluation": "fewer rollout.slots, a larger rollout.decode_tensor, or more devices",
+}
+
+
+def rl_step_time(phases: list[PhaseBytes], run: Any) -> dict[str, Any] | None:
+    """An RL step's seconds on paper: rollout + KL reference + train step + policy sync (+ an evaluation every
+    train.eval_every steps, spread over them), and the hours for train.steps (+ the warm start); None when the
+    rollout's or the train step's time is unknown (a CPU target, a refused program, a phase not compiled)."""
+    est = {p.name: p.time["est_seconds"] for p in phases if p.time and p.time.get("est_seconds") is not None}
+    if "rollout" not in est or "train step" not in est:
+        return None
+    parts = {name: est[name] for name in ("rollout", "KL reference", "train step", "policy sync") if name in est}
+    if run.train.eval_every and "evaluation" in est:
+        parts["evaluation"] = est["evaluation"] / run.train.eval_every
+    seconds = sum(parts.values())
+    return {"seconds": seconds, "parts": parts, "steps": run.train.steps,
+            "hours": (run.train.steps * seconds + est.get("warm start", 0.0)) / 3600}
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.1f} s" if value < 600 else f"{value / 60:.1f} min"
+
+
+def report(phases: list[PhaseBytes], hbm: int, run: Any = None) -> tuple[str, int]:
+    """(the table as text, exit status: 0 every phase fits `hbm` bytes, 3 one does not). With `run`, each phase's
+    time on paper, the engine's decode step against its floor, and the RL step's time."""
+    lines = [f"{'phase':13s} {'program':>9s} {'beside it':>10s} {'total':>9s} {'on paper':>10s}  (GiB per device; "
+             f"HBM {hbm / GIB:.2f})"]
+    for p in phases:
+        flag = "" if p.total <= hbm else "  DOES NOT FIT"
+        refused = f" [compiler: {p.refused.strip()}]" if p.refused else ""
+        est = _seconds(p.time.get("est_seconds")) if p.time else "–"
+        lines.append(f"{p.name:13s} {p.program['total'] / GIB:9.2f} {p.others / GIB:10.2f} {p.total / GIB:9.2f} "
+                     f"{est:>10s}{flag}  {p.note}{refused}")
+    for p in phases:
+        d = p.per_decode_step
+        if d and d.get("est_seconds") is not None:
+            lines.append(f"{p.name} decode step: HBM {d['hbm_bytes'] / 1e9:.3f} GB + collectives "
+                         f"{d['collective_bytes'] / 1e9:.3f} GB per device → {_seconds(d['est_seconds'])}; floor "
+                         f"(weights + KV read, / devices) {d['floor_bytes'] / 1e9:.3f} GB → "
+                         f"{_seconds(d['floor_seconds'])} ({d['est_seconds'] / d['floor_seconds']:.2f}× the floor)")
+    step = None if run is None else rl_step_time(phases, run)
+    if step:
+        parts = " + ".join(f"{name} {_seconds(sec)}" for name, sec in step["parts"].items())
+        lines.append(f"RL step on paper: {_seconds(step['seconds'])} ({parts}); {step['steps']} steps ≈ "
+                     f"{step['hours']:.1f} h")
+    peak = max(phases, key=lambda p: p.total)
+    lines.append(f"largest: {peak.name} ({peak.total / GIB:.2f} GiB per device)")
+    over = [p for p in phases if p.total > hbm]
+    for p in over:
+        lines.append(f"{p.name} needs {p.total / GIB:.2f} GiB > {hbm / GIB:.2f}: {ADVICE[p.name]}")
+    lines.append("every phase fits" if not over else f"{len(over)} phase(s) do not fit")
+    return "\n".join(lines), 3 if over else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m logra_jax.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="configs/<name>.py[:variant]")
+    parser.add_argument("--target", required=True, help="v5e:2x4, v5p:2x2x1, v6e:2x4, v4:2x2x1, h100:8, ..., cpu:8")
+    parser.add_argument("--hbm_gib", type=float, default=None,
+                        help="per-device memory to fit (default: the target's HBM; needed for cpu:N)")
+    parser.add_argument("--prompt_len", type=int, default=None,
+                        help="prompt tokens per sequence (default: measured from the task's problems as the job "
+                             "does; 512 for a JSONL task whose files are not given)")
+    parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, metavar="PHASE",
+                        help=f"compile only these phases (default all: {', '.join(PHASES)})")
+    parser.add_argument("--json", default="", help="also write the phases as JSON to this file")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a config field, e.g. --set rollout.slots=64 (repeatable)")
+    args = parser.parse_args(argv)
+    from logra_jax.planner import aot
+
+    try:
+        info = aot.target_info(args.target)
+    except ValueError as e:
+        parser.error(str(e))
+    hbm = info.hbm_bytes if args.hbm_gib is None else int(args.hbm_gib * GIB)
+    if hbm is None:
+        parser.error(f"--target={args.target} has no HBM size of its own: pass --hbm_gib")
+    if info.platform == "cpu" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={info.num_devices}").strip()
+    config = _load_config(args.config, args.set, parser)
+    from logra_jax.job.phases import job_mesh
+    from logra_jax.parallel.sharding import FAST_CPU_COMPILE
+
+    run = planning_config(config)
+    mesh = job_mesh(run.train, aot.devices(args.target))
+    recipe_without_data = config.task.kind == "jsonl" and not config.task.jsonl_train
+    # A JSONL recipe planned before its files exist runs at its own prompt length, not the placeholder task's.
+    prompt_len = args.prompt_len or (512 if recipe_without_data else job_prompt_length(run))
+    print(f"plan: {args.config} on {args.target} ({info.device_kind}, mesh data×fsdp×tensor "
+          f"{'×'.join(map(str, mesh.devices.shape))}; {run.model.checkpoint or run.model.preset}, "
+          f"{run.optimizer.name}; jax {jax.__version__})", flush=True)
+    phases = plan_phases(run, mesh, prompt_len,
+                         compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None, only=args.phases,
+                         info=info,
+                         progress=lambda name: print(f"  compiling {name} ...", flush=True))
+    text, status = report(phases, hbm, run)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": args.config, "target": args.target, "hbm_bytes": hbm, "jax": jax.__version__,
+            "mesh": list(mesh.devices.shape), "prompt_len": prompt_len, "rl_step": rl_step_time(phases, run),
+            "phases": [{**dataclasses.asdict(p), "total": p.total} for p in phases]}, indent=1))
+    return status
+
+
+def _load_config(spec: str, overrides: list[str], parser: Any) -> Any:
+    """The ConfigDict of `configs/x.py[:variant]` with `--set` overrides (values parsed as Python literals)."""
+    import ast
+    import runpy
+
+    path, _, variant = spec.partition(":")
+    if not Path(path).is_file():
+        parser.error(f"--config={spec}: no such file {path}")
+    get_config = runpy.run_path(path)["get_config"]
+    config = get_config(variant) if variant else get_config()
+    for item in overrides:
+        field, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value
+        section, _, name = field.partition(".")
+        if section not in config or name not in config[section]:
+            parser.error(f"--set {item!r}: config has no field {field}")
+        config[section][name] = parsed
+    return config
