@@ -66,3 +66,13 @@ def path_str(keypath: Sequence[Any]) -> str:
       ['blocks.0.q_proj.kernel']
     """
     return ".".join(path_keys(keypath))
+
+
+def flat_params(tree: Any) -> dict[str, Any]:
+    """{canonical path: leaf} of a parameter (or state) tree — nnx.State, nested dicts, ... — in tree order.
+
+    Example:
+      >>> flat_params({"blocks": [{"kernel": 1.0}], "embed": 2.0})
+      {'blocks.0.kernel': 1.0, 'embed': 2.0}
+    """
+    return {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}

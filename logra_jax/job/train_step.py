@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax.core.tree_paths import path_str
+from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.native.kl_probe import make_kl_probe, realised_kl
 from logra_jax.native.sketch_probes import SketchProbe, check_probes_match, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
@@ -137,10 +137,6 @@ def accumulate_grads(value_and_grad: Callable[[Mapping[str, jax.Array]], tuple[t
     return loss_sum / norm, jax.tree.map(lambda a: a / norm, acc), aux
 
 
-def _flat(state: Any) -> dict[str, jax.Array]:
-    return {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(state)}
-
-
 def step_shardings(abstract_state: TrainState, abstract_rest: Any, mesh: Mesh,
                    rules: LogicalRules = DEFAULT_RULES) -> tuple[TrainState, Any]:
     """The shardings of a train step's state and `rest` (the model's non-Param state: sketch probes) on `mesh`.
@@ -234,8 +230,8 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
             return jax.value_and_grad(loss_of, has_aux=True)((probes, train))
 
         loss, (sketch_tree, train_grads), aux = accumulate_grads(value_and_grad, batch, microbatches)
-        sketches = _flat(sketch_tree)
-        dense = {} if train_grads is None else _flat(train_grads)
+        sketches = flat_params(sketch_tree)
+        dense = {} if train_grads is None else flat_params(train_grads)
         metrics = {"sketch_norm": optax.tree.norm(list(sketches.values()))}
         if dense:
             metrics["grad_norm"] = optax.tree.norm(list(dense.values()))

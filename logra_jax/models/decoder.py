@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from logra_jax.core.tree_paths import path_str
+from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.layers import MLP, Attention, Linear, RMSNorm, write_rows
 from logra_jax.parallel.sharding import constrain, param_shardings
@@ -248,7 +248,7 @@ def per_layer_state(stacked: Any, per_layer: Any) -> Any:
     Raises:
       ValueError: `stacked` lacks a parameter the per-layer tree needs (named).
     """
-    flat = {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(stacked)}
+    flat = flat_params(stacked)
 
     def take(keypath: Any, _: Any) -> Any:
         source, layer = layer_source(path_str(keypath))
@@ -283,7 +283,7 @@ def abstract_model(config: ModelConfig) -> Decoder:
 def parameter_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
     """{canonical parameter path: NamedSharding} of the decoder's parameters on `mesh` by the logical-axis rules."""
     abstract = nnx.state(abstract_model(config), nnx.Param)
-    return {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings(abstract, mesh))[0]}
+    return flat_params(param_shardings(abstract, mesh))
 
 
 def init_sharded_model(config: ModelConfig, mesh: Mesh, seed: int = 0) -> Decoder:

@@ -39,18 +39,13 @@ import numpy as np
 import optax
 
 from logra_jax.core.fingerprint import tree_fingerprint
-from logra_jax.core.tree_paths import path_str
+from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import MatrixDims, Target
 from logra_jax.rollout.wire import PayloadError, header, pack, payload_checksum, unpack
 
 FORMAT = "logra-sync/2"  # /2: one fingerprint number per leaf (/1: two)
-
-
-def flat_params(tree: Any) -> dict[str, Any]:
-    """{canonical path: leaf} of a parameter tree (nnx.State, nested dicts, ...), in tree order."""
-    return {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 @dataclasses.dataclass(frozen=True)
