@@ -88,6 +88,81 @@ class GGUFTensor(NamedTuple):
     data: np.ndarray
 
 
+class _Cursor:
+    """Reads GGUF's little-endian values from `data` at `pos`, moving past each."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data, self.pos = data, 0
+
+    def take(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        if self.pos + n > len(self.data):
+            raise ValueError(f"string of {n} bytes at offset {self.pos} runs past the end")
+        value = bytes(self.data[self.pos:self.pos + n]).decode("utf-8")
+        self.pos += n
+        return value
+
+    def value(self, kind: int) -> Any:
+        """A metadata value of type id `kind`: a scalar, a string or an array (numeric arrays read at once)."""
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.take("<I"), self.take("<Q")
+            if item in _SCALARS:
+                dtype = np.dtype(_SCALARS[item].replace("?", "u1"))
+                items = np.frombuffer(self.data, dtype, count, self.pos)
+                self.pos += count * dtype.itemsize
+                return (items.astype(bool) if item == 7 else items).tolist()
+            return [self.value(item) for _ in range(count)]
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self.take(_SCALARS[kind])
+
+
+def _read_header(cursor: _Cursor) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]]]:
+    """The metadata fields and the tensor table (name, dims, type id, offset) from the start of a GGUF file."""
+    if bytes(cursor.data[:4]) != b"GGUF":
+        raise ValueError(f"magic {bytes(cursor.data[:4])!r} is not b'GGUF'")
+    version = cursor.take("<4xI")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3, little-endian)")
+    n_tensors, n_fields = cursor.take("<Q"), cursor.take("<Q")
+    fields = {}
+    for _ in range(n_fields):
+        key = cursor.string()
+        fields[key] = cursor.value(cursor.take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = cursor.string()
+        dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
+        infos.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
+    return fields, infos
+
+
+def _tensor(path: Path, data: np.ndarray, begin: int, name: str, dims: list[int], type_id: int) -> GGUFTensor:
+    """The tensor `name` whose bytes start at `begin` of `data`, as a [*rows, row_bytes] view."""
+    try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ValueError(f"{path}: tensor {name!r} has unknown type id {type_id}") from None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if not dims or dims[0] % block:
+        raise ValueError(f"{path}: tensor {name!r} has dims {dims}; {qtype.name} needs at least one dimension "
+                         f"with the first a multiple of {block}")
+    row_bytes = dims[0] // block * type_size
+    rows = tuple(reversed(dims[1:]))
+    nbytes = row_bytes * int(np.prod(rows, dtype=np.int64))
+    if begin + nbytes > len(data):
+        raise ValueError(f"{path}: truncated: tensor {name!r} needs bytes {begin}..{begin + nbytes}, the file "
+                         f"has {len(data)}")
+    return GGUFTensor(name, qtype, data[begin:begin + nbytes].reshape(*rows, row_bytes))
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     """Metadata fields and tensors of a GGUF (version 2 or 3, little-endian) file; tensor bytes stay on disk.
 
@@ -98,81 +173,17 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     path = Path(path)
     if path.stat().st_size < 24:  # magic, version and the two counts
         raise ValueError(f"{path}: not a readable GGUF file ({path.stat().st_size} bytes)")
-    data = np.memmap(path, np.uint8, mode="r")
-    pos = 0
-
-    def take(fmt: str) -> Any:
-        nonlocal pos
-        (value,) = struct.unpack_from(fmt, data, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        if pos + n > len(data):
-            raise ValueError(f"string of {n} bytes at offset {pos} runs past the end")
-        value = bytes(data[pos:pos + n]).decode("utf-8")
-        pos += n
-        return value
-
-    def value(kind: int) -> Any:
-        nonlocal pos
-        if kind == _STRING:
-            return string()
-        if kind == _ARRAY:
-            item, count = take("<I"), take("<Q")
-            if item in _SCALARS:
-                dtype = np.dtype(_SCALARS[item].replace("?", "u1"))
-                items = np.frombuffer(data, dtype, count, pos)
-                pos += count * dtype.itemsize
-                return (items.astype(bool) if item == 7 else items).tolist()
-            return [value(item) for _ in range(count)]
-        if kind not in _SCALARS:
-            raise ValueError(f"unknown metadata value type {kind}")
-        return take(_SCALARS[kind])
-
+    cursor = _Cursor(np.memmap(path, np.uint8, mode="r"))
     try:
-        if bytes(data[:4]) != b"GGUF":
-            raise ValueError(f"magic {bytes(data[:4])!r} is not b'GGUF'")
-        version = take("<4xI")
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (2 or 3, little-endian)")
-        n_tensors, n_fields = take("<Q"), take("<Q")
-        fields = {}
-        for _ in range(n_fields):
-            key = string()
-            fields[key] = value(take("<I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [take("<Q") for _ in range(take("<I"))]
-            infos.append((name, dims, take("<I"), take("<Q")))
+        fields, infos = _read_header(cursor)
     except (struct.error, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
     alignment = fields.get("general.alignment", 32)
     if type(alignment) is not int or alignment <= 0:
         raise ValueError(f"{path}: general.alignment={alignment!r} is not a positive integer")
-    start = -(-pos // alignment) * alignment
-    tensors = {}
-    for name, dims, type_id, offset in infos:
-        try:
-            qtype = gguf.GGMLQuantizationType(type_id)
-        except ValueError:
-            raise ValueError(f"{path}: tensor {name!r} has unknown type id {type_id}") from None
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        if not dims or dims[0] % block:
-            raise ValueError(f"{path}: tensor {name!r} has dims {dims}; {qtype.name} needs at least one dimension "
-                             f"with the first a multiple of {block}")
-        row_bytes = dims[0] // block * type_size
-        rows = tuple(reversed(dims[1:]))
-        nbytes = row_bytes * int(np.prod(rows, dtype=np.int64))
-        begin = start + offset
-        if begin + nbytes > len(data):
-            raise ValueError(f"{path}: truncated: tensor {name!r} needs bytes {begin}..{begin + nbytes}, the file "
-                             f"has {len(data)}")
-        tensors[name] = GGUFTensor(name, qtype, data[begin:begin + nbytes].reshape(*rows, row_bytes))
-    return fields, tensors
+    start = -(-cursor.pos // alignment) * alignment  # the data section begins at the next aligned offset
+    return fields, {name: _tensor(path, cursor.data, start + offset, name, dims, type_id)
+                    for name, dims, type_id, offset in infos}
 
 
 def config_from_gguf(fields: Mapping[str, Any], tensor_names: set[str], *, source: str,
