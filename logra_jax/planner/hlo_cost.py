@@ -349,7 +349,60 @@ def _json(attrs: str) -> dict:
         return {}
 
 
+def _convolution_fmas(lhs_shape: str, rhs_shape: str, instr: _Instr) -> float:
+    """Multiply-adds of a convolution as XLA counts them: output batch × output features × input features per
+    group × the (output, window) position pairs that land on a real input element in every spatial dim
+    (not padding, not a dilation hole). The TPU compiler writes batched matmuls as such convolutions."""
+    lhs, rhs = _arrays(lhs_shape), _arrays(rhs_shape)
+    out = _arrays(instr.shape)
+    labels = re.fullmatch(r"(\w+)_(\w+)->(\w+)", _attr(instr.attrs, "dim_labels") or "")
+    if not (lhs and rhs and out and labels):
+        return 0.0
+    (lhs_dims, rhs_dims, out_dims), (lhs_l, rhs_l, out_l) = (lhs[0][1], rhs[0][1], out[0][1]), labels.groups()
+    window = _window(_attr(instr.attrs, "window") or "")
+    fmas = float(out_dims[out_l.index("b")] * out_dims[out_l.index("f")] * rhs_dims[rhs_l.index("i")])
+    for j, label in enumerate(c for c in rhs_l if c.isdigit()):
+        size, kernel, outsize = lhs_dims[lhs_l.index(label)], rhs_dims[rhs_l.index(label)], \
+            out_dims[out_l.index(label)]
+        get = (lambda key, default, j=j: window[key][j] if key in window and j < len(window[key]) else default)
+        stride, lhs_dilate, rhs_dilate = get("stride", 1), get("lhs_dilate", 1), get("rhs_dilate", 1)
+        pad_lo = get("pad", (0, 0))[0]
+        dilated = (size - 1) * lhs_dilate + 1
+        valid = 0
+        for o in range(outsize):
+            for k in range(kernel):
+                pos = o * stride - pad_lo + k * rhs_dilate
+                valid += 0 <= pos < dilated and pos % lhs_dilate == 0
+        fmas *= valid
+    return fmas
+
+
+def _group_size(instr: _Instr, devices: int) -> int | None:
+    """Devices in each of a collective's replica groups: `{{0,1},{2,3}}`, `[2,4]<=[8]` (iota: the last
+    dimension), `mesh['a'=2,'b'=4] {'b'}` (the named axes' product) or `{}` (every one of `devices`)."""
+    text = instr.attrs
+    at = text.find("replica_groups=")
+    if at < 0:
+        return None
+    value = text[at + len("replica_groups="):].lstrip()
+    mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", value)
+    if mesh:
+        sizes = {k: int(v) for k, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh.group(1))}
+        named = re.findall(r"'?([\w.\-]+)'?", mesh.group(2))
+        return math.prod(sizes.get(a, 1) for a in named) if named and all(a in sizes for a in named) else None
+    if value.startswith("["):
+        dims = _dims(value[:value.find("]") + 1].strip("[]"))
+        return dims[-1] if dims else None
+    if value.startswith("{"):
+        groups = re.findall(r"\{([\d,\s]*)\}", value[:_matching(value, 0)])
+        first = [g for g in groups if g.strip()]
+        return len(_dims(first[0])) if first else (devices if devices > 1 else None)
+    return None
+
+
 class _Module:
+    """A parsed HLO module and the per-device cost of its computations (each computed once)."""
+
     def __init__(self, text: str):
         self.computations, self.roots, self.entry = _parse(text)
         self.shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in self.computations.items()}
@@ -388,35 +441,8 @@ class _Module:
             contracted = math.prod(lhs[0][1][d] for d in _dims(_attr(instr.attrs, "lhs_contracting_dims")))
             return 2.0 * out * contracted
         if instr.op == "convolution":
-            return 2.0 * self.convolution_fmas(comp, instr)
+            return 2.0 * _convolution_fmas(*(self.operand_shape(comp, o) for o in instr.operands[:2]), instr)
         return 0.0
-
-    def convolution_fmas(self, comp: str, instr: _Instr) -> float:
-        """Multiply-adds of a convolution as XLA counts them: output batch × output features × input features per
-        group × the (output, window) position pairs that land on a real input element in every spatial dim
-        (not padding, not a dilation hole). The TPU compiler writes batched matmuls as such convolutions."""
-        lhs, rhs = (_arrays(self.operand_shape(comp, o)) for o in instr.operands[:2])
-        out = _arrays(instr.shape)
-        labels = re.fullmatch(r"(\w+)_(\w+)->(\w+)", _attr(instr.attrs, "dim_labels") or "")
-        if not (lhs and rhs and out and labels):
-            return 0.0
-        (lhs_dims, rhs_dims, out_dims), (lhs_l, rhs_l, out_l) = (lhs[0][1], rhs[0][1], out[0][1]), labels.groups()
-        window = _window(_attr(instr.attrs, "window") or "")
-        fmas = float(out_dims[out_l.index("b")] * out_dims[out_l.index("f")] * rhs_dims[rhs_l.index("i")])
-        for j, label in enumerate(c for c in rhs_l if c.isdigit()):
-            size, kernel, outsize = lhs_dims[lhs_l.index(label)], rhs_dims[rhs_l.index(label)], \
-                out_dims[out_l.index(label)]
-            get = (lambda key, default, j=j: window[key][j] if key in window and j < len(window[key]) else default)
-            stride, lhs_dilate, rhs_dilate = get("stride", 1), get("lhs_dilate", 1), get("rhs_dilate", 1)
-            pad_lo = get("pad", (0, 0))[0]
-            dilated = (size - 1) * lhs_dilate + 1
-            valid = 0
-            for o in range(outsize):
-                for k in range(kernel):
-                    pos = o * stride - pad_lo + k * rhs_dilate
-                    valid += 0 <= pos < dilated and pos % lhs_dilate == 0
-            fmas *= valid
-        return fmas
 
     def constant(self, comp: str, name: str) -> int | None:
         """The value of an integer scalar constant (through copies), else None."""
@@ -563,28 +589,6 @@ class _Module:
             total += in_place[k][1] * _in_hbm(out) if k in in_place else _hbm_bytes(out)
         return total
 
-    def group_size(self, instr: _Instr) -> int | None:
-        """Devices in each of a collective's replica groups: `{{0,1},{2,3}}`, `[2,4]<=[8]` (iota: the last
-        dimension), `mesh['a'=2,'b'=4] {'b'}` (the named axes' product) or `{}` (every device of the module)."""
-        text = instr.attrs
-        at = text.find("replica_groups=")
-        if at < 0:
-            return None
-        value = text[at + len("replica_groups="):].lstrip()
-        mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", value)
-        if mesh:
-            sizes = {k: int(v) for k, v in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh.group(1))}
-            named = re.findall(r"'?([\w.\-]+)'?", mesh.group(2))
-            return math.prod(sizes.get(a, 1) for a in named) if named and all(a in sizes for a in named) else None
-        if value.startswith("["):
-            dims = _dims(value[:value.find("]") + 1].strip("[]"))
-            return dims[-1] if dims else None
-        if value.startswith("{"):
-            groups = re.findall(r"\{([\d,\s]*)\}", value[:_matching(value, 0)])
-            first = [g for g in groups if g.strip()]
-            return len(_dims(first[0])) if first else (self.devices if self.devices > 1 else None)
-        return None
-
     def collective_bytes(self, comp: str, instr: _Instr, op: str) -> float:
         """Bytes one device receives in collective `op` (the synchronous name of `instr`, which may be a
         `*-start`) under ring algorithms over its group of n; n unknown counts (n − 1)/n as 1."""
@@ -595,7 +599,7 @@ class _Module:
         if started and instr.shape.lstrip().startswith("("):  # (operands, result[, context]) of an async start
             elements = _tuple_elements(instr.shape)
             result = shape_bytes(elements[1]) if len(elements) > 1 else result
-        n = self.group_size(instr)
+        n = _group_size(instr, self.devices)
         share = (n - 1) / n if n else 1.0
         if op == "all-gather":
             return max(result - sent, 0.0)
@@ -640,23 +644,25 @@ class _Module:
         return _hbm_bytes(shape) + sum(_hbm_bytes(s) for s in operand_shapes)
 
     def instr_cost(self, comp: str, instr: _Instr, fused: bool) -> _Cost:
-        cost = _Cost()
+        """One instruction's cost: a control-flow op's is its computations' (`structured_cost`); another's is its
+        own flops plus, outside a fusion, its HBM traffic."""
+        structured = self.structured_cost(comp, instr, fused)
+        if structured is not None:
+            return structured
+        cost = self.compute_cost(comp, instr)
+        no_traffic = instr.op == "custom-call" and _attr(instr.attrs, "custom_call_target") in _NO_TRAFFIC_CALLS
+        if not (no_traffic or fused or instr.op in _FREE or instr.op.endswith("-done")):
+            cost.bytes = self.traffic_bytes(comp, instr)
+        return cost
+
+    def structured_cost(self, comp: str, instr: _Instr, fused: bool) -> _Cost | None:
+        """The cost of an instruction that runs other computations (a loop, a branch, a fusion, a call) or of a
+        collective; None for any other instruction."""
         op = instr.op
         base = op[:-len("-start")] if op.endswith("-start") else op
         if op == "while":
-            trip = _json(instr.attrs).get("known_trip_count", {}).get("n")
-            if trip is None:
-                trip = self.counted_loop_trips(comp, instr)
-            times = int(trip) if trip is not None else 1
-            if trip is None:
-                cost.unknown = (instr.name,)
-            for body in _callees(instr.attrs, "body"):
-                cost.add(self.cost(body, fused), times)
-            for cond in _callees(instr.attrs, "condition"):
-                cost.add(self.cost(cond, fused), times + 1)
-            if trip is None:  # one iteration of a loop whose count only the run knows (a decode loop)
-                cost.loop = (cost.flops, cost.bytes, cost.coll)
-            return cost
+            return self.loop_cost(comp, instr, fused)
+        cost = _Cost()
         if op == "conditional":
             branches = (_callees(instr.attrs, "branch_computations") or
                         _callees(instr.attrs, "true_computation") + _callees(instr.attrs, "false_computation"))
@@ -666,8 +672,7 @@ class _Module:
             return cost
         if op == "fusion":
             for callee in _callees(instr.attrs, "calls"):
-                inner = self.cost(callee, True)
-                cost.add(inner)
+                cost.add(self.cost(callee, True))
                 if not fused:
                     cost.bytes += self.fusion_bytes(comp, instr, callee)
             return cost
@@ -678,11 +683,33 @@ class _Module:
                 if callee in self.computations:
                     cost.add(self.cost(callee, fused))
             return cost
+        return None
+
+    def loop_cost(self, comp: str, instr: _Instr, fused: bool) -> _Cost:
+        """A while loop's body and condition times its trip count (annotated, or found by `counted_loop_trips`);
+        a loop of unknown count is counted once and named."""
+        cost = _Cost()
+        trip = _json(instr.attrs).get("known_trip_count", {}).get("n")
+        if trip is None:
+            trip = self.counted_loop_trips(comp, instr)
+        times = int(trip) if trip is not None else 1
+        if trip is None:
+            cost.unknown = (instr.name,)
+        for body in _callees(instr.attrs, "body"):
+            cost.add(self.cost(body, fused), times)
+        for cond in _callees(instr.attrs, "condition"):
+            cost.add(self.cost(cond, fused), times + 1)
+        if trip is None:  # one iteration of a loop whose count only the run knows (a decode loop)
+            cost.loop = (cost.flops, cost.bytes, cost.coll)
+        return cost
+
+    def compute_cost(self, comp: str, instr: _Instr) -> _Cost:
+        """The flops (matmul, elementwise, reductions) and transcendentals of one instruction, without bytes."""
+        op = instr.op
         if op == "custom-call":
-            cost.add(self.custom_call(comp, instr))
-            if _attr(instr.attrs, "custom_call_target") in _NO_TRAFFIC_CALLS:
-                return cost
-        elif op in ("dot", "convolution"):
+            return self.custom_call(comp, instr)
+        cost = _Cost()
+        if op in ("dot", "convolution"):
             cost.matmul = self.matmul_flops(comp, instr)
             cost.flops = cost.matmul
         elif op in ELEMENTWISE:
@@ -693,17 +720,19 @@ class _Module:
             cost.flops = float(_elements(self.operand_shape(comp, instr.operands[-1]))) if instr.operands else 0.0
         elif op in ("reduce", "reduce-window", "select-and-scatter"):
             cost.flops = float(_elements(self.operand_shape(comp, instr.operands[0]))) if instr.operands else 0.0
-        if fused or op in _FREE or op.endswith("-done"):
-            return cost
-        if op == "copy-start":  # (destination, source, context): the copy reads its source, writes its destination
-            cost.bytes = sum(_hbm_bytes(self.operand_shape(comp, o)) for o in instr.operands) + \
-                _hbm_bytes(_tuple_elements(instr.shape)[0])
-        elif op != base:  # an async op (slice-start, ...): ((operands), result, context)
-            elements = _tuple_elements(instr.shape)
-            cost.bytes = self.op_bytes(comp, base, elements[1] if len(elements) > 1 else instr.shape, instr.operands)
-        else:
-            cost.bytes = self.op_bytes(comp, op, instr.shape, instr.operands)
         return cost
+
+    def traffic_bytes(self, comp: str, instr: _Instr) -> float:
+        """The HBM bytes of one top-level instruction, an async op's (`*-start`) taken from its result tuple."""
+        op = instr.op
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if op == "copy-start":  # (destination, source, context): the copy reads its source, writes its destination
+            return sum(_hbm_bytes(self.operand_shape(comp, o)) for o in instr.operands) + \
+                _hbm_bytes(_tuple_elements(instr.shape)[0])
+        if op != base:  # an async op (slice-start, ...): ((operands), result, context)
+            elements = _tuple_elements(instr.shape)
+            return self.op_bytes(comp, base, elements[1] if len(elements) > 1 else instr.shape, instr.operands)
+        return self.op_bytes(comp, op, instr.shape, instr.operands)
 
 
 def hlo_cost(text: str) -> HloCost:
