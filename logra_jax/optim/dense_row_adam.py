@@ -30,6 +30,7 @@ from logra_jax.optim.targets import (
     place_replicated,
     zero_row_moments,
 )
+from logra_jax.optim.update_ratio import ratio_factor
 
 
 class DenseRowAdamState(NamedTuple):
@@ -118,8 +119,7 @@ def scale_by_dense_row_adam(update_ratio: float = 6e-5, variant: Variant = "pape
             directions[key] = (d, t)
             weight_sq += jnp.sum(jnp.square(flat_w[key].astype(jnp.float32)))
             update_sq += jnp.sum(jnp.square(d))
-        factor = jnp.where(update_sq > 0, update_ratio * jnp.sqrt(weight_sq / jnp.where(update_sq > 0, update_sq,
-                                                                                        1.0)), 0.0)
+        factor = ratio_factor(update_ratio, weight_sq, update_sq)
 
         def one(keypath: Any, u: Any) -> Any:
             if keypath not in directions:

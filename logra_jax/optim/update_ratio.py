@@ -49,8 +49,14 @@ def _norms_sq(u: LowRankUpdate, weight: Any, per_layer: bool) -> tuple[jax.Array
     return weight_sq, update_sq
 
 
-def _factor(ratio: float | jax.Array, weight_sq: jax.Array, update_sq: jax.Array) -> jax.Array:
-    """ratio · sqrt(weight_sq / update_sq), 0 where update_sq = 0 (nothing to step)."""
+def ratio_factor(ratio: float | jax.Array, weight_sq: jax.Array, update_sq: jax.Array) -> jax.Array:
+    """ratio · sqrt(weight_sq / update_sq), 0 where update_sq = 0 (nothing to step): the step size's one formula,
+    also used on dense directions (`scale_by_dense_row_adam`).
+
+    Example:
+      >>> float(ratio_factor(0.5, jnp.float32(16.0), jnp.float32(4.0))), float(ratio_factor(0.5, 1.0, 0.0))
+      (1.0, 0.0)
+    """
     safe = jnp.where(update_sq > 0, update_sq, 1.0)
     return jnp.where(update_sq > 0, ratio * jnp.sqrt(weight_sq / safe), 0.0)
 
@@ -75,7 +81,7 @@ def update_ratio_factor(updates: Any, params: Any, ratio: float | jax.Array) -> 
         w_sq, u_sq = _norms_sq(u, w, per_layer=False)
         weight_sq += w_sq
         update_sq += u_sq
-    return _factor(ratio, weight_sq, update_sq)
+    return ratio_factor(ratio, weight_sq, update_sq)
 
 
 def layer_ratio_factor(u: LowRankUpdate, weight: Any, ratio: float | jax.Array) -> jax.Array:
@@ -90,7 +96,7 @@ def layer_ratio_factor(u: LowRankUpdate, weight: Any, ratio: float | jax.Array) 
       >>> layer_ratio_factor(updates["q_proj"]["kernel"], params["q_proj"]["kernel"], 0.01).shape
       (3, 1, 1)
     """
-    factor = _factor(ratio, *_norms_sq(u, weight, per_layer=True))
+    factor = ratio_factor(ratio, *_norms_sq(u, weight, per_layer=True))
     t = u.target
     return factor.reshape(*t.batch_shape, *(1,) * (u.factor.ndim - len(t.batch_shape)))
 
