@@ -1,4 +1,4 @@
-"""The measured figures that README.md, experiments/REPORT.md and docs/method.md quote, each tied to its results file.
+"""The measured figures that experiments/REPORT.md, README.md and the docs pages quote, each tied to its results file.
 
 A figure is registered as a `Quote`: a passage of one document as it reads there, with every figure in it written
 as a format field (`"dense AdamW {:.2f} GiB"`), and the values the fields take, computed here from the committed
@@ -6,17 +6,18 @@ results file named as its source. `tests/docs/test_quoted_figures.py` checks tha
 
 - each quote, rendered from today's files, appears in its document (whitespace and line breaks aside), so a rerun
   that changes a figure fails until the text says the new one, naming the quote and its source;
-- every number in the sections of `CHECKED` (README's "## Measured", all of REPORT.md) is a field of a registered
-  quote or matches `SETTINGS`: counts of seeds, steps and devices, ranks, step sizes, dates, meshes — what a run
-  was given, not what it measured.
+- every number in the sections of `CHECKED` (all of REPORT.md, its "In brief" list included) is a field of a
+  registered quote or matches `SETTINGS`: counts of seeds, steps and devices, ranks, step sizes, dates, meshes —
+  what a run was given, not what it measured.
 
 To register a figure: find the function below that reads its results file (or add one and list it in `quotes()`),
 and add `q(DOCS, "the passage with {:.2f} fields", value, ...)`. The passage needs just enough words around the
 field to be unique and to say what the figure is. Fields use Python's format specs; a leading minus renders as
 "−" and an exponent without padding ("5.3e-6"), as the documents write them. The paper's figures come from
-docs/method.md (`_paper`), which quotes the paper's digests. Figures quoted elsewhere (other README sections,
-docs/method.md) are checked the same way; only the sections of `CHECKED` must have every number registered.
-README's "## Testing" and `make venv-*` timings are measurements without a results file: not registered.
+docs/method.md (`_paper`), which quotes the paper's digests. Figures quoted elsewhere (README, docs/method.md, the
+docs pages) are checked the same way; only the sections of `CHECKED` must have every number registered. The test
+suite's timings (docs/testing.md) and the `make venv-*` timings are measurements without a results file: not
+registered.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ GIB = 2.0**30
 README = ("README.md",)
 REPORT = ("experiments/REPORT.md",)
 METHOD = ("docs/method.md",)
+ROUTES = ("docs/routes.md",)
+RUNNING = ("docs/running.md",)
+VLLM = ("docs/vllm.md",)
 MEMORY = ("experiments/memory/README.md",)
 ROLLOUT = ("experiments/rollout/README.md",)
-BOTH = README + REPORT
 
 # Document → the heading whose section must have every number registered (None: the whole document).
-CHECKED: dict[str, str | None] = {"README.md": "## Measured", "experiments/REPORT.md": None}
+CHECKED: dict[str, str | None] = {"experiments/REPORT.md": None}
 
 # Numbers that are settings, not measurements (regexes over whitespace-normalised text; what they match is exempt).
 SETTINGS: tuple[str, ...] = (
@@ -165,7 +168,7 @@ def _memory() -> Iterator[Quote]:
     m15 = _cpu_gib("experiments/memory/results.json", "Qwen2.5-Math-1.5B@4dev")
     m27 = _cpu_gib("experiments/memory/results.json", "Dense-27B@4dev")
     paper_7b = _paper("17.29 GiB") / _paper("31.82 GiB")
-    yield from q(README, "Qwen2.5-Math-7B — dense AdamW {:.2f} GiB, LoGRA sketch-native {:.2f} GiB ({:.0%}; the "
+    yield from q(REPORT, "Qwen2.5-Math-7B — dense AdamW {:.2f} GiB, LoGRA sketch-native {:.2f} GiB ({:.0%}; the "
                          "paper: {:.1%}; {:.2f} GiB with the KL probe); 27B-class — AdamW {:.2f} GiB (does not fit "
                          "80 GiB), LoGRA {:.2f} GiB.", m7["adamw"], m7["logra_sketch_native"],
                  m7["logra_sketch_native"] / m7["adamw"], paper_7b, m7["logra_sketch_native_kl"], m27["adamw"],
@@ -188,7 +191,7 @@ def _memory() -> Iterator[Quote]:
     q = _quoter("experiments/memory/tensor_parallel/results.json")
     tp7 = _cpu_gib("experiments/memory/tensor_parallel/results.json", "Qwen2.5-Math-7B@8dev_tp2")
     tp27 = _cpu_gib("experiments/memory/tensor_parallel/results.json", "Dense-27B@8dev_tp2")
-    yield from q(README, "(fsdp 4 × tensor 2): {:.2f} vs {:.2f} GiB ({:.0%}) at 7B", tp7["logra_sketch_native"],
+    yield from q(REPORT, "(fsdp 4 × tensor 2): {:.2f} vs {:.2f} GiB ({:.0%}) at 7B", tp7["logra_sketch_native"],
                  tp7["adamw"], tp7["logra_sketch_native"] / tp7["adamw"])
     yield from q(REPORT, "(fsdp 4 × tensor 2): {:.2f} vs {:.2f} GiB;", tp27["adamw"], tp27["logra_sketch_native"])
 
@@ -200,7 +203,7 @@ def _memory_targets() -> Iterator[Quote]:
     bf16_ratio = bf16_h100 / _target_gib("h100", c7, "adamw_targets")
     bf16_v5e = _target_gib("v5e", c7, "logra_sketch_native_kl_bf16")
     bf16_27b = _target_gib("h100", c27, "logra_sketch_native_kl_bf16")
-    yield from q(README, "LoGRA+KL {:.2f} GiB at 7B on 4 H100s (XLA:GPU; {:.2f}× AdamW on the same targets), "
+    yield from q(REPORT, "LoGRA+KL {:.2f} GiB at 7B on 4 H100s (XLA:GPU; {:.2f}× AdamW on the same targets), "
                          "{:.2f} GiB on 4 TPU v5e (TPU compiler), {:.2f} GiB at 27B-class on 4 H100s;",
                  bf16_h100, bf16_ratio, bf16_v5e, bf16_27b)
     yield from q(REPORT, "LoGRA+KL {:.2f} GiB on 4 × H100 ({:.2f}× AdamW-on-targets) and {:.2f} GiB on 4 × v5e;",
@@ -239,7 +242,7 @@ def _bf16_learning() -> Iterator[Quote]:
     q = _quoter("experiments/memory/bf16_weights.json")
     runs = _sweep("experiments/memory/bf16_weights.json")
     bf16, f32 = runs["logra-layer-bf16"], runs["logra-layer"]
-    yield from q(README, "learning on the demo task unchanged ({:.3f} ± {:.3f} vs {:.3f} ± {:.3f} held-out, 3 seeds)",
+    yield from q(REPORT, "learning on the demo task unchanged ({:.3f} ± {:.3f} vs {:.3f} ± {:.3f} held-out, 3 seeds)",
                  bf16.after, bf16.std, f32.after, f32.std)
     yield from q(REPORT, "(held-out {:.3f} ± {:.3f} vs {:.3f} ± {:.3f} with float32 weights, 3 seeds)",
                  bf16.after, bf16.std, f32.after, f32.std)
@@ -257,9 +260,9 @@ def _bf16_smollm2() -> Iterator[Quote]:
     bf16, f32 = runs["logra-layer-bf16"], runs["logra-layer-f32"]
     diff = stats["paired_bf16_minus_f32"]["accuracy_after"]
     below = _if_level(diff, statistics.median(s["share_below_half_spacing"] for s in stats["logra-layer-bf16"]))
-    yield from q(BOTH, "and on SmolLM2-135M at its tuned per-layer ratio 5e-5, where {:.1%} of each step's entries are "
-                       "below half a bfloat16 spacing: {:.3f} ± {:.3f} vs {:.3f} ± {:.3f} held-out after 20 RL steps, "
-                       "level (paired difference {:+.3f}, {:.0%} interval {:+.3f} … {:+.3f}, 3 seeds)",
+    yield from q(REPORT, "and on SmolLM2-135M at its tuned per-layer ratio 5e-5, where {:.1%} of each step's "
+                         "entries are below half a bfloat16 spacing: {:.3f} ± {:.3f} vs {:.3f} ± {:.3f} held-out after "
+                         "20 RL steps, level (paired difference {:+.3f}, {:.0%} interval {:+.3f} … {:+.3f}, 3 seeds)",
                  below, bf16.after, bf16.std, f32.after, f32.std, diff["mean"], diff["level"], *diff["interval"])
 
 
@@ -365,7 +368,7 @@ def _dropin() -> Iterator[Quote]:
 
     extra = [r["dense_extra"] / (r["sizes"]["targets_f32"] / r["devices"]) for r in rows.values()]
     s, b = "SmolLM2-135M", "Qwen2.5-Math-1.5B"
-    yield from q(README, "that is {:.2f}–{:.2f}× the float32 size of all targets on top of the lean route: "
+    yield from q(ROUTES, "that is {:.2f}–{:.2f}× the float32 size of all targets on top of the lean route: "
                          "SmolLM2-135M {:.2f} → {:.2f} GiB, Qwen2.5-Math-1.5B {:.1f} → {:.1f} GiB on one device "
                          "({:.2f} → {:.2f} GiB per device on 8); still below AdamW on the same targets "
                          "({:.2f} / {:.1f} GiB)",
@@ -377,8 +380,9 @@ def _dropin() -> Iterator[Quote]:
 def _rollout_plans() -> Iterator[Quote]:
     q = _quoter("experiments/rollout/plans.json")
     cells = {c["cell"]: c for c in _json("experiments/rollout/plans.json")["cells"]}
-    yield from q(README, "for the paper's 7B recipe on v5e:2x4 it is {:.2f}× the floor, and for Gemma-3-27B on "
-                         "h100:8 {:.2f}×", cells["7b@v5e:2x4"]["ratio_to_floor"], cells["27b@h100:8"]["ratio_to_floor"])
+    yield from q(RUNNING, "for the paper's 7B recipe on v5e:2x4 it is {:.2f}× the floor, and for Gemma-3-27B on "
+                          "h100:8 {:.2f}×",
+                 cells["7b@v5e:2x4"]["ratio_to_floor"], cells["27b@h100:8"]["ratio_to_floor"])
     yield from q(ROLLOUT, "the cell's {:.2f}× is that, diluted by the cache read. At 7B (t = 4) the cell is {:.2f}×",
                  cells["1.5b@h100:8"]["ratio_to_floor"], cells["7b@h100:8"]["ratio_to_floor"])
     yield from q(ROLLOUT, "an array of its own (below) | {:.2f} | {:.2f} |",
@@ -453,7 +457,7 @@ def _parity() -> Iterator[Quote]:
     adamw, layer, kl, fixed = demo["adamw-targets"], demo["logra-layer"], demo["logra-kl"], demo["logra-fixed"]
     frozen_drop = _bound(max(layer.drop, kl.drop, fixed.drop), 0.10)
     behind = 100 * (adamw.after - layer.after)
-    yield from q(README, "on the demo task AdamW on LoGRA's targets reaches {:.3f} ± {:.3f} held-out, LoGRA {:.3f} ± "
+    yield from q(REPORT, "on the demo task AdamW on LoGRA's targets reaches {:.3f} ± {:.3f} held-out, LoGRA {:.3f} ± "
                          "{:.3f} with a per-layer update ratio ({:.3f} with the KL controller, {:.3f} with the paper's "
                          "global ratio); no seed of LoGRA with frozen non-targets drops > {:.2f}",
                  adamw.after, adamw.std, layer.after, layer.std, kl.after, fixed.after, frozen_drop)
@@ -464,7 +468,7 @@ def _parity() -> Iterator[Quote]:
                          "AdamW on the non-targets)",
                  adamw.after, adamw.std, demo["adamw-all"].after, demo["galore"].after, layer.after, layer.std,
                  kl.after, kl.std, fixed.after, frozen_drop, demo["logra-nt-adamw"].drop)
-    yield from q(README, "(dense RowAdam: {:.3f})", demo["rowadam-dense"].after)
+    yield from q(REPORT, "(dense RowAdam: {:.3f})", demo["rowadam-dense"].after)
     yield from q(REPORT, "dense RowAdam without any sketch: {:.3f}", demo["rowadam-dense"].after)
     yield from q(REPORT, "the paper's rule (per-layer ratio) is {:.1f} points behind AdamW on the same weights", behind)
     yield from q(REPORT, "the paper's rule (per-layer ratio) trails AdamW on the same weights by {:.1f} points", behind)
@@ -476,7 +480,7 @@ def _parity() -> Iterator[Quote]:
     q = _quoter("experiments/parity/demo_momentum/results.json")
     b1 = _sweep("experiments/parity/demo_momentum/results.json")
     b1zero = max((c for name, c in b1.items() if name.startswith("adamw-targets-b1zero")), key=lambda c: c.after)
-    yield from q(BOTH, "AdamW without its first moment falls to LoGRA's level ({:.3f} vs {:.3f}, 2 seeds)",
+    yield from q(REPORT, "AdamW without its first moment falls to LoGRA's level ({:.3f} vs {:.3f}, 2 seeds)",
                  b1zero.after, b1["logra-layer"].after)
 
     q = _quoter("experiments/parity/three_digit/best.json")
@@ -485,7 +489,7 @@ def _parity() -> Iterator[Quote]:
     logra3 = [c for name, c in three.items() if name.startswith("logra")]
     paired = _paired(layer3, adamw3)
     learnt = [c.after for c in three.values()]
-    yield from q(README, "On a second task (three-digit additions) LoGRA is level with AdamW ({:.3f} vs {:.3f}, "
+    yield from q(REPORT, "On a second task (three-digit additions) LoGRA is level with AdamW ({:.3f} vs {:.3f}, "
                          "5 seeds)",
                  layer3.after, adamw3.after)
     yield from q(REPORT, "AdamW on the targets {:.3f} ± {:.3f}, **LoGRA per-layer {:.3f} ± {:.3f}**, per-layer + KL "
@@ -511,10 +515,10 @@ def _momentum() -> Iterator[Quote]:
     cell = _cpu_gib("experiments/momentum/memory/results.json", "Qwen2.5-Math-7B@4dev")
     cost = cell["logra_sketch_native_kl_momentum"] - cell["logra_sketch_native_kl"]
     share = cost / cell["logra_sketch_native_kl"]
-    yield from q(BOTH, "+{:.2f} GiB = +{:.1%} per device at 7B@4", cost, share)
+    yield from q(REPORT, "+{:.2f} GiB = +{:.1%} per device at 7B@4", cost, share)
     yield from q(METHOD, "the stage costs its state, +{:.2f} GiB (+{:.1%}) per device at 7B@4", cost, share)
     yield from q(("experiments/momentum/README.md",), "| {:.2f} GiB ({:.0%} of AdamW-targets) | {:.2f} GiB ({:.0%}) | "
-                 "+{:.2f} GiB, **+{:.1%}** |", cell["logra_sketch_native_kl"],
+                  "+{:.2f} GiB, **+{:.1%}** |", cell["logra_sketch_native_kl"],
                  cell["logra_sketch_native_kl"] / cell["adamw_targets"], cell["logra_sketch_native_kl_momentum"],
                  cell["logra_sketch_native_kl_momentum"] / cell["adamw_targets"], cost, share)
 
@@ -522,7 +526,7 @@ def _momentum() -> Iterator[Quote]:
     demo = _sweep("experiments/momentum/demo/best.json")
     m, adamw, rule = demo["logra-layer-m0.9-kinf"], demo["adamw-targets"], demo["logra-layer"]
     parity_before = _sweep("experiments/parity/demo/best.json")["adamw-targets"].before
-    yield from q(README, "({:.3f} vs {:.3f} held-out, 5 seeds, swept alike; the rule without it {:.3f}; this "
+    yield from q(REPORT, "({:.3f} vs {:.3f} held-out, 5 seeds, swept alike; the rule without it {:.3f}; this "
                          "study's own SFT warm starts, which leave {:.3f} held-out before RL against the parity "
                          "study's {:.3f})",
                  m.after, adamw.after, rule.after, m.before, parity_before)
@@ -534,7 +538,7 @@ def _momentum() -> Iterator[Quote]:
     q = _quoter("experiments/momentum/three_digit/best.json")
     three = _sweep("experiments/momentum/three_digit/best.json")
     level = statistics.mean(_paired(three["logra-layer-m0.9-kinf"], three["logra-layer"]))
-    yield from q(README, "three-digit additions it is level ({:+.1f} points paired)", level)
+    yield from q(REPORT, "three-digit additions it is level ({:+.1f} points paired)", level)
     yield from q(REPORT, "It is level on three-digit additions ({:+.1f} points paired)", level)
 
     q = _quoter("experiments/momentum/demo/alone.json")
@@ -573,7 +577,7 @@ def _smollm2() -> Iterator[Quote]:
     paired = _paired(layer, adamw)
     before = [s["accuracy_before"] for v in _json("experiments/smollm2/tune/best.json")["variants"].values()
               for s in v["seeds"]]
-    yield from q(README, "{:.3f} ± {:.3f} vs {:.3f} ± {:.3f} held-out after 40 RL steps with both step sizes swept, "
+    yield from q(REPORT, "{:.3f} ± {:.3f} vs {:.3f} ± {:.3f} held-out after 40 RL steps with both step sizes swept, "
                          "{:+.1f} points paired, ahead on {:d} of 3 seeds", layer.after, layer.std, adamw.after,
                  adamw.std, statistics.mean(paired), sum(d > 0 for d in paired))
     yield from q(REPORT, "{:.3f} ± {:.3f} vs {:.3f} ± {:.3f}, {:+.1f} points paired, {:d} of 3 seeds", layer.after,
@@ -591,7 +595,7 @@ def _smollm2() -> Iterator[Quote]:
     best_m = max(c.after for name, c in sweep.items() if name.startswith("logra-layer-m0.9-kinf"))
     best_rule = max(c.after for name, c in sweep.items() if name.startswith("logra-layer@"))
     behind = 100 * (best_rule - best_m)
-    yield from q(README, "on SmolLM2-135M {:.1f} points behind the rule without it", behind)
+    yield from q(REPORT, "on SmolLM2-135M {:.1f} points behind the rule without it", behind)
     yield from q(REPORT, "{:.1f} points behind the rule without it on SmolLM2-135M ({:.3f} vs {:.3f}, each at its best "
                          "swept ratio, seed 0)", behind, best_m, best_rule)
     yield from q(METHOD, "{:.1f} points behind it on SmolLM2-135M", behind)
@@ -635,9 +639,9 @@ def _kl() -> Iterator[Quote]:
     worst = {model: max((1 + r["controlled_relative_error"] for r in rows), key=lambda x: abs(x - 1))
              for model, rows in steps.items()}
     raw = {r["ratio"]: r["realised"] / r["predicted"] for r in steps["smollm2-135m"]}
-    yield from q(README, "matches the realised KL within {:.0%} once the controller has sized the step",
+    yield from q(REPORT, "matches the realised KL within {:.0%} once the controller has sized the step",
                  max(abs(x - 1) for x in worst.values()))
-    yield from q(README, "(realised/predicted {:.2f} → {:.3f})", raw[3e-4], raw[max(raw)])
+    yield from q(REPORT, "(realised/predicted {:.2f} → {:.3f})", raw[3e-4], raw[max(raw)])
     yield from q(REPORT, "realised / predicted KL of a controlled step {:.3f} (tiny model) and {:.3f} (SmolLM2-135M)",
                  worst["tiny"], worst["smollm2-135m"])
     yield from q(METHOD, "We measure realised/predicted {:.3f} (tiny model) and {:.3f} (SmolLM2-135M)",
@@ -662,7 +666,7 @@ def _sync() -> Iterator[Quote]:
     q = _quoter("experiments/sync/bench.json")
     rows = {(r["model"], r["rank"]): r for r in _json("experiments/sync/bench.json")["computed"]}
     r256, r64 = rows["qwen2.5-7b", 256], rows["qwen2.5-7b", 64]
-    yield from q(README, "{:.2f} GiB per update at 7B, r = 256 = {:.2%} of the bf16 target weights",
+    yield from q(REPORT, "{:.2f} GiB per update at 7B, r = 256 = {:.2%} of the bf16 target weights",
                  r256["lowrank_delta_bytes"] / GIB, r256["ratio_vs_bf16_targets"])
     yield from q(REPORT, "{:.3f} GiB = {:.2%} at 7B r = 256 ({:.2%} at r = 64)", r256["lowrank_delta_bytes"] / GIB,
                  r256["ratio_vs_bf16_targets"], r64["ratio_vs_bf16_targets"])
@@ -688,9 +692,9 @@ def _multihost() -> Iterator[Quote]:
     r = _json("experiments/multihost/results.json")
     same = r["one_gloo"]
     params = max(v for k, v in r["one_inprocess"]["leaves"].items() if "['params']" in k)
-    yield from q(README, "(every metric, all {:.0f} checkpointed leaves, KL control on);",
+    yield from q(REPORT, "(every metric, all {:.0f} checkpointed leaves, KL control on);",
                  _all(same["bitwise_leaves"], same["float_leaves"]) if not same["metrics_differing"] else math.nan)
-    yield from q(README, "the parameters differ by ≤ {:.1e} of their largest entry", params)
+    yield from q(REPORT, "the parameters differ by ≤ {:.1e} of their largest entry", params)
 
 
 # --- the paper's figures, as docs/method.md quotes them --------------------------------------------------------
@@ -724,10 +728,10 @@ def _vllm() -> Iterator[Quote]:
     (deltas, boot), (busy, busy_boot) = sync("vllm-seed2"), sync("vllm-seed0")  # seed 2's ran alone
     full = boot["full_weight_bytes"]["float32"]
     delta_bytes = statistics.median(x["bytes"] for x in deltas)
-    yield from q(README, "low-rank sync of SmolLM2-135M (rank 64) ships {:.1f} MB, {:.1%} of its float32 weights "
-                         "({:.0f} MB), in {:.1f} s (median of {:.0f}, the run alone on the machine; vLLM's reload "
-                         "{:.1f} s and the merge of U·A {:.1f} s of it), against {:.1f} s for the full float32 "
-                         "snapshot ({:.1f} against {:.1f} s on a busy machine)",
+    yield from q(VLLM, "low-rank sync of SmolLM2-135M (rank 64) ships {:.1f} MB, {:.1%} of its float32 weights "
+                       "({:.0f} MB), in {:.1f} s (median of {:.0f}, the run alone on the machine; vLLM's reload "
+                       "{:.1f} s and the merge of U·A {:.1f} s of it), against {:.1f} s for the full float32 "
+                       "snapshot ({:.1f} against {:.1f} s on a busy machine)",
                  delta_bytes / 1e6, delta_bytes / full, full / 1e6, statistics.median(x["seconds"] for x in deltas),
                  len(deltas), statistics.median(x["engine_seconds"]["reload"] for x in deltas),
                  statistics.median(x["engine_seconds"]["apply"] for x in deltas), boot["seconds"],
@@ -737,24 +741,24 @@ def _vllm() -> Iterator[Quote]:
     vllm_runs = [runs[f"vllm-seed{k}"] for k in seeds]
     jax_runs = [runs[f"jax-seed{k}"] for k in seeds]
     published = [x for r in vllm_runs for x in r["syncs"] if x["kind"] == "publish"]
-    yield from q(BOTH, "the largest |W_vllm − W_trainer| after any of the {:.0f} publications of the {:.0f} vLLM "
-                       "runs was {:g}, with {:.0f} resyncs", len(published), len(vllm_runs),
+    yield from q(VLLM + REPORT, "the largest |W_vllm − W_trainer| after any of the {:.0f} publications of the "
+                                "{:.0f} vLLM runs was {:g}, with {:.0f} resyncs", len(published), len(vllm_runs),
                  max(x["drift_max"] for x in published), sum(r["syncs"][-1]["resyncs"] for r in vllm_runs))
     mismatch = lambda rs: statistics.median(x["rollout_mismatch"] for r in rs for x in r["steps"])
-    yield from q(README, "mismatch the TIS cap sees (`rollout_mismatch`, median over the steps of {:.0f} runs each) "
-                         "was {:.1e} with vLLM and {:.1e} with ours", len(seeds), mismatch(vllm_runs),
+    yield from q(VLLM, "mismatch the TIS cap sees (`rollout_mismatch`, median over the steps of {:.0f} runs each) "
+                       "was {:.1e} with vLLM and {:.1e} with ours", len(seeds), mismatch(vllm_runs),
                  mismatch(jax_runs))
     acc = diff["accuracy_after"]
     after = lambda rs: [r["summary"]["accuracy_after"] for r in rs]
-    yield from q(BOTH, "held-out accuracy after 40 RL steps from the same warm starts was {:.3f} ± {:.3f} with vLLM "
-                       "rollouts and {:.3f} ± {:.3f} with ours ({:.0f} seeds); paired per seed, vLLM − ours is "
-                       "{:+.3f} ± {:.3f}, {:.0%} Student-t interval {:+.3f} … {:+.3f}: level",
+    yield from q(VLLM + REPORT, "held-out accuracy after 40 RL steps from the same warm starts was {:.3f} ± {:.3f} "
+                                "with vLLM rollouts and {:.3f} ± {:.3f} with ours ({:.0f} seeds); paired per seed, "
+                                "vLLM − ours is {:+.3f} ± {:.3f}, {:.0%} Student-t interval {:+.3f} … {:+.3f}: level",
                  statistics.fmean(after(vllm_runs)), statistics.stdev(after(vllm_runs)),
                  statistics.fmean(after(jax_runs)), statistics.stdev(after(jax_runs)), len(seeds),
                  _if_level(acc, acc["mean"]), acc["std"], acc["level"], *acc["interval"])
     rates = {(r["case"], r["impl"]): r["tokens_per_s"] for r in _json("experiments/vllm/throughput.json")["results"]}
-    yield from q(README, "build decoded {:.1f} response tokens/s against our engine's {:.1f} on 32 prompts × 128 "
-                         "tokens, and {:.1f} against {:.1f} with RL-like lengths: vLLM is {:.1f}× and {:.1f}× faster",
+    yield from q(VLLM, "build decoded {:.1f} response tokens/s against our engine's {:.1f} on 32 prompts × 128 "
+                       "tokens, and {:.1f} against {:.1f} with RL-like lengths: vLLM is {:.1f}× and {:.1f}× faster",
                  rates[("smollm2-fixed", "vllm")], rates[("smollm2-fixed", "ours")], rates[("smollm2-spread", "vllm")],
                  rates[("smollm2-spread", "ours")], rates[("smollm2-fixed", "vllm")] / rates[("smollm2-fixed", "ours")],
                  rates[("smollm2-spread", "vllm")] / rates[("smollm2-spread", "ours")])

@@ -5,7 +5,7 @@ this order from: --coordinator_address/--num_processes/--process_id; the environ
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; JAX's own cluster detection (TPU pod slices, SLURM,
 Open MPI); else the run is a single process. The processes meet at the coordinator (a missing one is a
 DistributedInitError within LOGRA_DISTRIBUTED_TIMEOUT_S, default 300 s), the mesh spans all their devices, and
-an error on any process stops every process, each naming the one that failed (README "Run on several hosts").
+an error on any process stops every process, each naming the one that failed (docs/scaling.md, "Several hosts").
 
 Exit status: 0 finished (or already finished); 1 an error, whose one-line description is the last thing printed
 (after the traceback for unexpected errors; expected ones — bad config, unreadable or unwritable checkpoints,

@@ -1,14 +1,14 @@
-"""Every measured figure README.md, experiments/REPORT.md and docs/method.md quote agrees with its results file.
+"""Every measured figure experiments/REPORT.md, README.md and the docs pages quote agrees with its results file.
 
 The figures are registered in `experiments/figures.py` (its docstring says how to add one): each is a passage of a
 document with its numbers as format fields, filled from a committed results file. A rerun that changes a number
 fails here, naming the passage and the file, until the text says the new number. Every number in the sections of
-`figures.CHECKED` (README's "## Measured", all of REPORT.md) must belong to a registered passage or be a setting
+`figures.CHECKED` (all of REPORT.md, its "In brief" list included) must belong to a registered passage or be a setting
 (`figures.SETTINGS`: seeds, steps, ranks, meshes, dates), so a figure added there without a source fails too.
 
-To register a figure, add `q(README, "the passage with its {:.2f} fields", value, ...)` to the function of
+To register a figure, add `q(REPORT, "the passage with its {:.2f} fields", value, ...)` to the function of
 experiments/figures.py that reads its results file; a failure here names the passage, its file and what the
-document says instead. README's "## Testing" timings have no results file and are not checked.
+document says instead. The test suite's timings (docs/testing.md) have no results file and are not checked.
 """
 
 import re
@@ -102,8 +102,8 @@ def test_every_number_in_the_checked_sections_is_registered(doc, by_doc):
 
 def test_a_changed_digit_fails_naming_the_figure(by_doc):
     """The check itself: one digit changed in a registered figure is a missing quote and an unregistered number."""
-    text = _document("README.md")
-    quote = by_doc["README.md"][0]
+    text = _document("experiments/REPORT.md")
+    quote = by_doc["experiments/REPORT.md"][0]
     figure = next(piece for piece, is_figure in quote.pieces() if is_figure)
     changed = figure[:-1] + str((int(figure[-1]) + 1) % 10)
     edited = text.replace(quote.render(), quote.render().replace(figure, changed, 1))
