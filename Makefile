@@ -4,14 +4,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The test environment is installed by uv (pinned below, itself installed by the venv's pip in about 3 s): the
-# same resolution as pip's (`pip freeze` identical), in about 20 s, downloads included, against 45 s for pip
-# --no-compile.
+# The test environment is installed by uv (pinned below, itself installed by the venv's pip): the same resolution
+# as pip's (`pip freeze` identical), in a fraction of pip's time (measured in docs/testing.md).
 # uv does not read pip's configuration, so the wheel folders pip is told to look in (PIP_FIND_LINKS, pip config's
 # find-links: this machine's CPU build of torch) are passed to it. Nothing is compiled to .pyc at install time:
-# the recipes run without PYTHONDONTWRITEBYTECODE (set on some machines, this one included), so Python writes the
-# .pyc of what a process imports the first time, and only that (collecting the tests: 20 s the first time, while
-# compileall over the whole venv took 34 s on both cores).
+# the recipes run without PYTHONDONTWRITEBYTECODE (set on some machines), so Python writes the .pyc of what a
+# process imports the first time, and only that, instead of compiling the whole venv up front.
 UV_PIN := 0.13.9
 FIND_LINKS := $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV := $(VENV)/bin/uv pip install -q --python $(PY) $(foreach d,$(FIND_LINKS),--find-links $(d))
@@ -106,7 +104,7 @@ test-vllm: $(DEV_STAMP) venv-vllm
 	LOGRA_TEST_REQUIRE=venv-vllm $(PY) -m pytest -q -p no:xdist $(VLLM_TESTS) $(call junit,vllm)
 
 # The test suite on the Python 3.12 lock (requirements-py312.txt: jax 0.12) in its own venv, .venv-py312; never part
-# of `make test`. On 3.12 the registry's torch is its CUDA build (the venv: 5.7 GB; README "Testing").
+# of `make test`. On 3.12 the registry's torch is its CUDA build (the venv: 5.7 GB; docs/testing.md).
 test-py312:
 	$(MAKE) test PYTHON=$(PYTHON312) VENV=.venv-py312
 
