@@ -27,13 +27,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax.core.tree_paths import flat_params, path_str
+from logra_jax.core.tree_paths import flat_params, path_keys, path_str
 from logra_jax.native.kl_probe import make_kl_probe, realised_kl
 from logra_jax.native.sketch_probes import SketchProbe, check_probes_match, sketching
 from logra_jax.optim.lowrank import LowRankUpdate
 from logra_jax.optim.lowrank import apply_updates as apply_lowrank_updates
 from logra_jax.optim.predicted_kl import hold_if_skipped, hold_where
-from logra_jax.optim.spec import sketch_spec, state_targets
+from logra_jax.optim.spec import SketchSpec, sketch_spec, state_targets
 from logra_jax.optim.targets import find_targets
 from logra_jax.parallel.sharding import DEFAULT_RULES, LogicalRules, param_shardings, train_state_shardings
 from logra_jax.rl.losses import LOSS_DENOMINATOR
@@ -159,10 +159,157 @@ def step_shardings(abstract_state: TrainState, abstract_rest: Any, mesh: Mesh,
             param_shardings(abstract_rest, mesh, rules, sources=abstract_state.params, targets=targets))
 
 
+GradientFn = Callable[[TrainState, nnx.State, Mapping[str, jax.Array]], tuple[jax.Array, Any, dict[str, jax.Array]]]
+
+
+def _dense_gradients(graphdef: nnx.GraphDef, loss_fn: LossFn, microbatches: int,
+                     trainable: Trainable | None) -> GradientFn:
+    """(state, rest, batch) -> (loss, float32 gradients, metrics) for mode "dense": the trainable parameters are
+    differentiated, the frozen ones get zeros (so the tree matches the parameters')."""
+
+    def gradients(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array]
+                  ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+        params = state.params
+        train, frozen = (params, None) if trainable is None else nnx.split_state(params, trainable, ...)
+
+        def value_and_grad(mb: Mapping[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
+            def loss_of(train_params: nnx.State) -> tuple[jax.Array, Any]:
+                full = train_params if frozen is None else nnx.merge_state(train_params, frozen)
+                return loss_fn(nnx.merge(graphdef, full, rest), mb)
+            return jax.value_and_grad(loss_of, has_aux=True)(train)
+
+        loss, grads, aux = accumulate_grads(value_and_grad, batch, microbatches)
+        metrics = {"grad_norm": optax.tree.norm(grads)}
+        if frozen is not None:
+            grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, frozen))
+        return loss, grads, {**aux, **metrics}
+
+    return gradients
+
+
+def _sketch_gradients(graphdef: nnx.GraphDef, loss_fn: LossFn, microbatches: int,
+                      trainable: Trainable | None) -> GradientFn:
+    """(state, rest, batch) -> (loss, update tree, metrics) for mode "sketch_native": the loss is differentiated
+    with respect to the sketch probes (S = Hᵀ(X Aᵀ) per target) and the densely trained parameters, never the
+    target kernels (`_sketch_updates` makes the tree)."""
+
+    def gradients(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array]
+                  ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+        params = state.params
+        spec = sketch_spec(state.opt_state)
+        if spec is None:
+            raise ValueError("make_train_step: mode='sketch_native' needs an optimizer that sketches (logra or "
+                             "scale_by_sketch); its state holds no SketchSpec")
+        check_probes_match(nnx.merge(graphdef, params, rest), spec)  # trace time only: no arrays are computed
+        probes, others = nnx.split_state(rest, SketchProbe, ...)
+        train, frozen = (None, params) if trainable is None else nnx.split_state(params, trainable, ...)
+
+        def value_and_grad(mb: Mapping[str, jax.Array]) -> tuple[tuple[jax.Array, Any], Any]:
+            def loss_of(diff: tuple[nnx.State, nnx.State | None]) -> tuple[jax.Array, Any]:
+                probe_values, train_params = diff
+                full = frozen if train_params is None else nnx.merge_state(train_params, frozen)
+                with sketching(state.step):
+                    return loss_fn(nnx.merge(graphdef, full, nnx.merge_state(probe_values, others)), mb)
+            return jax.value_and_grad(loss_of, has_aux=True)((probes, train))
+
+        loss, (sketch_tree, train_grads), aux = accumulate_grads(value_and_grad, batch, microbatches)
+        dense = {} if train_grads is None else flat_params(train_grads)
+        metrics = {"sketch_norm": optax.tree.norm(list(flat_params(sketch_tree).values()))}
+        if dense:
+            metrics["grad_norm"] = optax.tree.norm(list(dense.values()))
+        return loss, _sketch_updates(state, spec, sketch_tree, dense), {**aux, **metrics}
+
+    return gradients
+
+
+def _sketch_updates(state: TrainState, spec: SketchSpec, sketch_tree: nnx.State,
+                    dense: Mapping[str, jax.Array]) -> Any:
+    """The parameters' tree of a sketch-native step's gradient signal: a LowRankUpdate of S for each target, the
+    dense gradient of each densely trained parameter, zeros elsewhere. A target's S is the gradient of the probe
+    that `attach_sketch_probes` installed on the module owning its kernel, so both are found by that module."""
+    targets = find_targets(state.params, spec.rules)
+    by_module = {path_keys(keypath)[:-1]: s for keypath, s in jax.tree_util.tree_leaves_with_path(sketch_tree)}
+
+    def leaf(keypath: tuple[Any, ...], p: jax.Array) -> Any:
+        path = path_str(keypath)
+        if path in targets:
+            return LowRankUpdate(by_module[path_keys(keypath)[:-1]], state.step, target=targets[path], spec=spec)
+        return dense[path] if path in dense else jnp.zeros_like(p)
+
+    return jax.tree_util.tree_map_with_path(leaf, state.params)
+
+
+def _sync_view(updates: Any, trained: Callable[[tuple[str, ...]], bool]) -> Any:
+    """`updates` with None where a parameter is not trained: LowRankUpdates and the dense updates of `trained`
+    paths stay, so neither the merge nor the policy sync touches a frozen parameter."""
+    def keep(keypath: tuple[Any, ...], u: Any) -> Any:
+        return u if isinstance(u, LowRankUpdate) or trained(path_keys(keypath)) else None
+    return jax.tree_util.tree_map_with_path(keep, updates, is_leaf=lambda x: isinstance(x, LowRankUpdate))
+
+
+def _apply_or_hold(tx: optax.GradientTransformation, state: TrainState, grads: Any, extra: Mapping[str, Any],
+                   trained: Callable[[tuple[str, ...]], bool]) -> tuple[TrainState, Any, jax.Array | None]:
+    """The optimizer's update merged into the trained parameters: (new state, updates, refused), refused None
+    unless the optimizer holds a KL controller."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+    # A step the KL controller refused advances no state: its updates are zeros (params stay bit for bit),
+    # moments, counters and the projection step stay where they were; only the refusal count moves.
+    updates, opt_state, refused = hold_if_skipped(updates, state.opt_state, opt_state)
+    # Only what is trained is merged: a frozen parameter keeps its (donated) buffer instead of being rewritten
+    # as W + 0·s (a full-size copy XLA cannot fold away once the KL controller scales the updates).
+    params = apply_lowrank_updates(state.params, _sync_view(updates, trained))
+    step = state.step + 1 if refused is None else jnp.where(refused, state.step, state.step + 1)
+    return TrainState(params, opt_state, step), updates, refused
+
+
+def _controller_metrics(opt_state: Any, refused: jax.Array | None) -> dict[str, jax.Array]:
+    """kl_refused, the KL controller's state fields (`_KL_STATE_METRICS`) and the predicted KL of the step
+    actually applied, α²q; empty without a controller."""
+    metrics = {} if refused is None else {"kl_refused": refused.astype(jnp.float32)}
+    for name in _KL_STATE_METRICS:
+        value = optax.tree_utils.tree_get(opt_state, name)
+        if value is not None:
+            metrics[name] = value
+    if "kl_q" in metrics:
+        metrics["kl_predicted"] = metrics["kl_alpha"] ** 2 * metrics["kl_q"]
+    return metrics
+
+
+def _with_kl_probe(config: KLProbeConfig, graphdef: nnx.GraphDef, state: TrainState, rest: nnx.State,
+                   probe: Mapping[str, jax.Array] | None, metrics: Mapping[str, jax.Array],
+                   extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra` for `scale_by_predicted_kl`: the step's KL probe built on the `probe` responses, and the rollout
+    mismatch the RL objective measured (feeds the controller's EMA) unless the caller gave one."""
+    if probe is None:
+        raise ValueError("train step built with kl_probe needs probe={'tokens', 'attention_mask', 'kl_mask'}")
+    kl_probe = make_kl_probe(graphdef, state.params, rest, state.step, probe, config.temperature, config.chunk,
+                             passes=config.passes)
+    mismatch = {"rollout_mismatch": metrics["rollout_mismatch"]} if "rollout_mismatch" in metrics else {}
+    return {**mismatch, **extra, "kl_probe": kl_probe}
+
+
+def _check_realised_kl(config: KLProbeConfig, graphdef: nnx.GraphDef, old: TrainState, new: TrainState,
+                       updates: Any, rest: nnx.State, probe: Mapping[str, jax.Array], kl_probe: Any,
+                       budget: jax.Array | None) -> tuple[TrainState, Any, dict[str, jax.Array]]:
+    """The realised KL on the probe responses between `old` and `new` parameters; with `config.undo_above`, a
+    step above undo_above × budget is undone (parameters back, every state held). Returns (state, updates,
+    metrics: kl_realised[, kl_undone])."""
+    kl_sum, count = realised_kl(graphdef, old.params, new.params, rest, probe, config.temperature, config.chunk,
+                                hidden_before=getattr(kl_probe, "hidden_before", None), passes=config.passes)
+    metrics = {"kl_realised": kl_sum / jnp.maximum(count, 1.0)}
+    if config.undo_above <= 0:
+        return new, updates, metrics
+    undone = metrics["kl_realised"] > config.undo_above * budget
+    updates, opt_state = hold_where(undone, updates, old.opt_state, new.opt_state)
+    params = jax.tree.map(lambda before, after: jnp.where(undone, before, after), old.params, new.params)
+    metrics["kl_undone"] = undone.astype(jnp.float32)
+    return TrainState(params, opt_state, jnp.where(undone, old.step, new.step)), updates, metrics
+
+
 def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientTransformation, *,
                     mode: Literal["dense", "sketch_native"] = "dense", microbatches: int = 1,
                     trainable: Trainable | None = None, kl_probe: KLProbeConfig | None = None,
-                    return_updates: bool = False):
+                    return_updates: bool = False) -> Callable[..., tuple[Any, ...]]:
     """Build the train step.
 
     Args:
@@ -193,109 +340,22 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: LossFn, tx: optax.GradientT
     """
     if mode not in ("dense", "sketch_native"):
         raise ValueError(f"make_train_step: mode must be 'dense' or 'sketch_native', got {mode!r}")
-
-    def dense_grads(state: TrainState, rest: nnx.State, batch):
-        params = state.params
-        train, frozen = (params, None) if trainable is None else nnx.split_state(params, trainable, ...)
-
-        def value_and_grad(mb):
-            def loss_of(train_params):
-                full = train_params if frozen is None else nnx.merge_state(train_params, frozen)
-                return loss_fn(nnx.merge(graphdef, full, rest), mb)
-            return jax.value_and_grad(loss_of, has_aux=True)(train)
-
-        loss, grads, aux = accumulate_grads(value_and_grad, batch, microbatches)
-        metrics = {"grad_norm": optax.tree.norm(grads)}
-        if frozen is not None:
-            grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, frozen))
-        return loss, grads, {**aux, **metrics}
-
-    def sketch_grads(state: TrainState, rest: nnx.State, batch):
-        params = state.params
-        spec = sketch_spec(state.opt_state)
-        if spec is None:
-            raise ValueError("make_train_step: mode='sketch_native' needs an optimizer that sketches (logra or "
-                             "scale_by_sketch); its state holds no SketchSpec")
-        targets = find_targets(params, spec.rules)
-        check_probes_match(nnx.merge(graphdef, params, rest), spec)  # trace time only: no arrays are computed
-        probes, others = nnx.split_state(rest, SketchProbe, ...)
-        train, frozen = (None, params) if trainable is None else nnx.split_state(params, trainable, ...)
-
-        def value_and_grad(mb):
-            def loss_of(diff):
-                probe_values, train_params = diff
-                full = frozen if train_params is None else nnx.merge_state(train_params, frozen)
-                with sketching(state.step):
-                    return loss_fn(nnx.merge(graphdef, full, nnx.merge_state(probe_values, others)), mb)
-            return jax.value_and_grad(loss_of, has_aux=True)((probes, train))
-
-        loss, (sketch_tree, train_grads), aux = accumulate_grads(value_and_grad, batch, microbatches)
-        sketches = flat_params(sketch_tree)
-        dense = {} if train_grads is None else flat_params(train_grads)
-        metrics = {"sketch_norm": optax.tree.norm(list(sketches.values()))}
-        if dense:
-            metrics["grad_norm"] = optax.tree.norm(list(dense.values()))
-
-        def update_leaf(keypath, p):
-            path = path_str(keypath)
-            if path in targets:
-                return LowRankUpdate(sketches[path.rsplit(".", 1)[0] + ".sketch_probe"], state.step,
-                                     target=targets[path], spec=spec)
-            return dense[path] if path in dense else jnp.zeros_like(p)
-
-        return loss, jax.tree_util.tree_map_with_path(update_leaf, params), {**aux, **metrics}
-
-    gradients = sketch_grads if mode == "sketch_native" else dense_grads
+    gradients = (_sketch_gradients if mode == "sketch_native" else _dense_gradients)(
+        graphdef, loss_fn, microbatches, trainable)
     trained = densely_trained(mode, trainable)
 
-    def sync_view(updates: Any) -> Any:
-        def keep(keypath, u):
-            if isinstance(u, LowRankUpdate) or trained(tuple(path_str(keypath).split("."))):
-                return u
-            return None
-        return jax.tree_util.tree_map_with_path(keep, updates, is_leaf=lambda x: isinstance(x, LowRankUpdate))
-
     def step(state: TrainState, rest: nnx.State, batch: Mapping[str, jax.Array], *,
-             probe: Mapping[str, jax.Array] | None = None, **extra: Any):
+             probe: Mapping[str, jax.Array] | None = None, **extra: Any) -> tuple[Any, ...]:
         loss, grads, metrics = gradients(state, rest, batch)
         if kl_probe is not None:
-            if probe is None:
-                raise ValueError("train step built with kl_probe needs probe={'tokens', 'attention_mask', 'kl_mask'}")
-            extra["kl_probe"] = probe_fn = make_kl_probe(graphdef, state.params, rest, state.step, probe,
-                                                         kl_probe.temperature, kl_probe.chunk,
-                                                         passes=kl_probe.passes)
-            if "rollout_mismatch" in metrics:  # measured by the RL objective; feeds the controller's EMA
-                extra.setdefault("rollout_mismatch", metrics["rollout_mismatch"])
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
-        # A step the KL controller refused advances no state: its updates are zeros (params stay bit for bit),
-        # moments, counters and the projection step stay where they were; only the refusal count moves.
-        updates, opt_state, refused = hold_if_skipped(updates, state.opt_state, opt_state)
-        # Only what is trained is merged: a frozen parameter keeps its (donated) buffer instead of being rewritten
-        # as W + 0·s (a full-size copy XLA cannot fold away once the KL controller scales the updates).
-        new_params = apply_lowrank_updates(state.params, sync_view(updates))
-        new_step = state.step + 1 if refused is None else jnp.where(refused, state.step, state.step + 1)
-        metrics = {"loss": loss, **metrics}
-        if refused is not None:
-            metrics["kl_refused"] = refused.astype(jnp.float32)
-        for name in _KL_STATE_METRICS:
-            value = optax.tree_utils.tree_get(opt_state, name)
-            if value is not None:
-                metrics[name] = value
-        if "kl_q" in metrics:  # the predicted KL of the step actually applied: α²q
-            metrics["kl_predicted"] = metrics["kl_alpha"] ** 2 * metrics["kl_q"]
+            extra = _with_kl_probe(kl_probe, graphdef, state, rest, probe, metrics, extra)
+        new_state, updates, refused = _apply_or_hold(tx, state, grads, extra, trained)
+        metrics = {"loss": loss, **metrics, **_controller_metrics(new_state.opt_state, refused)}
         if kl_probe is not None:
-            kl_sum, count = realised_kl(graphdef, state.params, new_params, rest, probe, kl_probe.temperature,
-                                        kl_probe.chunk, hidden_before=getattr(probe_fn, "hidden_before", None),
-                                        passes=kl_probe.passes)
-            metrics["kl_realised"] = kl_sum / jnp.maximum(count, 1.0)
-            if kl_probe.undo_above > 0:  # overshoot: undo the merge (W back) and hold every state
-                undone = metrics["kl_realised"] > kl_probe.undo_above * metrics["kl_budget"]
-                updates, opt_state = hold_where(undone, updates, state.opt_state, opt_state)
-                new_params = jax.tree.map(lambda old, new: jnp.where(undone, old, new), state.params, new_params)
-                new_step = jnp.where(undone, state.step, new_step)
-                metrics["kl_undone"] = undone.astype(jnp.float32)
-        new_state = TrainState(new_params, opt_state, new_step)
-        return (new_state, metrics, sync_view(updates)) if return_updates else (new_state, metrics)
+            new_state, updates, realised = _check_realised_kl(kl_probe, graphdef, state, new_state, updates, rest,
+                                                              probe, extra["kl_probe"], metrics.get("kl_budget"))
+            metrics.update(realised)
+        return (new_state, metrics, _sync_view(updates, trained)) if return_updates else (new_state, metrics)
 
     return step
 
