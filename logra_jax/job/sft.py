@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from logra_jax.job.run_config import SFTSection
@@ -183,7 +182,7 @@ def cached_warm_start(model: nnx.Module, warm_start: Callable[[], dict[str, floa
         nnx.update(model, nnx.from_flat_state(loaded))
         return metrics, True
     metrics = warm_start()
-    arrays = {name: _host(v.get_value()) for name, (_, v) in
+    arrays = {name: multihost.host_array(v.get_value()) for name, (_, v) in
               zip(names, nnx.to_flat_state(nnx.state(model, nnx.Param)), strict=True)}
     if not multihost.is_primary():
         return metrics, False
@@ -193,8 +192,3 @@ def cached_warm_start(model: nnx.Module, warm_start: Callable[[], dict[str, floa
         np.savez(f, __key__=np.asarray(blob.decode()), __metrics__=np.asarray(json.dumps(metrics)), **arrays)
     os.replace(tmp, path)
     return metrics, False
-
-
-def _host(x: jax.Array) -> np.ndarray:
-    """The whole of `x` on the host: gathered from every process when it spans several (all of them call this)."""
-    return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)

@@ -338,6 +338,15 @@ def gather(x: Any) -> np.ndarray:
     return np.ascontiguousarray(rows).view(x.dtype).reshape(-1, *x.shape)
 
 
+def host_array(x: jax.Array | np.ndarray) -> np.ndarray:
+    """The whole of `x` on this host: gathered from every process when it spans several (every process calls this
+    and gets the same global value); where `x` is whole here already, possibly a read-only view of it."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 @contextlib.contextmanager
 def primary_first(name: str) -> Iterator[None]:
     """Run the block on process 0 first, then on the others (shared files: process 0 writes, the others read)."""

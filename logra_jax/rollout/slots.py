@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from logra_jax.models.decoder import Decoder, KVCache, constrain_kv
+from logra_jax.parallel.multihost import host_array
 from logra_jax.parallel.sharding import constrain, use_rules
 from logra_jax.rollout.sampling import Rollout, SamplingConfig, row_keys, sample_tokens
 
@@ -185,14 +186,6 @@ def finish(slots: Slots, prompts: jax.Array, prompt_mask: jax.Array, *, config: 
                    lengths=slots.lengths, finished=slots.finished)
 
 
-def _host(x: jax.Array) -> np.ndarray:
-    """A small array's value on this host (every process reads the same global value)."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.array(x)
-    from jax.experimental import multihost_utils
-    return np.array(multihost_utils.process_allgather(x, tiled=True))
-
-
 def num_slots(config: SamplingConfig, rows: int) -> int:
     """S: config.slots, at most one per row (0: one per row)."""
     return min(config.slots or rows, rows)
@@ -253,7 +246,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, promp
             break
         bucket = bucket_length(config, P, int(t[~done].max()))
         slots = step(graphdef, state, slots, key, config=config, bucket=bucket, mesh=mesh)
-        done, t = _host(slots.done), _host(slots.t)
+        done, t = np.array(host_array(slots.done)), np.array(host_array(slots.t))  # copies: refills write them
     return finish(slots, prompts, prompt_mask, config=config)
 
 
