@@ -4,8 +4,8 @@
   warm start   the SFT step on the mesh (logra_jax.job.sft.sft_step)
   trainer      the optimizer state created in its shards from the weights (`Trainer`: init under jit with
                out_shardings, weights donated), or only its abstract shapes for a restore
-  RL step      rollout (`rollout_sampler`), KL reference log-probs (`reference_logprobs`), the train step
-               (`Trainer.rl_step`), policy sync, held-out evaluation
+  RL step      rollout (the engine of logra_jax.rollout.engine), KL reference log-probs (`reference_logprobs`),
+               the train step (`Trainer.rl_step`, built by `rl_train_step`), policy sync, held-out evaluation
 Each piece is a jitted function with explicit shardings, so that the job runs it and the plan lowers it from
 abstract inputs: what the plan measures is what the job runs.
 """
@@ -22,9 +22,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from logra_jax.job.optimizer_plan import OptimizerPlan, build_optimizer
-from logra_jax.job.run_config import RunConfig, TrainSection
+from logra_jax.job.run_config import OptimizerSection, RunConfig, TrainSection
 from logra_jax.job.train_step import TrainState, make_train_step, step_shardings
 from logra_jax.parallel.sharding import batch_shardings, jit_train_step, make_mesh, replicated
+from logra_jax.rl.losses import LossConfig
 from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, response_logprobs, rl_batch_shapes
 
 
@@ -55,9 +56,30 @@ class RLStep(NamedTuple):
     """`Trainer.rl_step`'s product: fn(state, rest, batch, probe) -> (state, metrics, updates), jitted with its
     shardings; the batch's shapes (ShapeDtypeStructs); the KL probe's shapes, None without the predicted-KL probe."""
 
-    fn: Callable[..., Any]
-    batch: Any
-    probe: Any
+    fn: Callable[..., tuple[TrainState, dict[str, jax.Array], Any]]
+    batch: dict[str, jax.ShapeDtypeStruct]
+    probe: dict[str, jax.ShapeDtypeStruct] | None
+
+
+def init_train_state(optimizer: OptimizerSection, model: nnx.Module, *, temperature: float = 1.0
+                     ) -> tuple[OptimizerPlan, nnx.GraphDef, TrainState, nnx.State]:
+    """The optimizer for `model` (`build_optimizer`, which attaches LoGRA's sketch probes when it needs them) and
+    the train state it starts from: (plan, graph definition, TrainState at step 0, the non-Param state)."""
+    plan = build_optimizer(optimizer, model, temperature=temperature)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return plan, graphdef, TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32)), rest
+
+
+def rl_train_step(graphdef: nnx.GraphDef, plan: OptimizerPlan, loss: LossConfig, prompt_len: int, *,
+                  microbatches: int = 1, temperature: float = 1.0, logprob_chunk: int | None = None,
+                  return_updates: bool = True) -> Callable[..., tuple[Any, ...]]:
+    """The RL train step, not jitted: `make_train_step` with the policy loss `loss` on the responses after
+    `prompt_len` prompt tokens (log-probs at `temperature`, `logprob_chunk` token rows at a time; None:
+    `make_policy_loss_fn`'s default) and the plan's gradient mode, trainable parameters and KL probe."""
+    chunk = {} if logprob_chunk is None else {"chunk": logprob_chunk}
+    loss_fn = make_policy_loss_fn(loss, prompt_len, temperature=temperature, **chunk)
+    return make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode, microbatches=microbatches,
+                           trainable=plan.trainable, kl_probe=plan.kl_probe, return_updates=return_updates)
 
 
 @dataclasses.dataclass
@@ -66,8 +88,9 @@ class Trainer:
     shardings, and the jitted functions that create it and step it.
 
     Built from the model (real or abstract, `nnx.eval_shape`): `init(params, rest)` creates the TrainState and
-    the non-Param state (LoGRA's sketch probes) directly in their shards, the weights donated; `abstract()` is
-    the sharded ShapeDtypeStructs a checkpoint is restored into (nothing materialised first).
+    the non-Param state (LoGRA's sketch probes) directly in their shards, the weights donated; `rest_only()` the
+    non-Param state alone; `abstract_state` with `state_sh` is what a checkpoint is restored into (nothing
+    materialised first).
     """
 
     plan: OptimizerPlan
@@ -85,10 +108,9 @@ class Trainer:
         built: dict[str, Any] = {}
 
         def init(params: Any, rest: Any) -> tuple[TrainState, Any]:
-            m = nnx.merge(model_graphdef, params, rest)
-            built["plan"] = plan = build_optimizer(run.optimizer, m, temperature=run.rollout.temperature)
-            built["graphdef"], p, r = nnx.split(m, nnx.Param, ...)
-            return TrainState(p, plan.tx.init(p), jnp.zeros((), jnp.int32)), r
+            built["plan"], built["graphdef"], state, r = init_train_state(
+                run.optimizer, nnx.merge(model_graphdef, params, rest), temperature=run.rollout.temperature)
+            return state, r
 
         abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
         abstract_state, abstract_rest = jax.eval_shape(init, abstract(params), abstract(rest))
@@ -109,12 +131,9 @@ class Trainer:
     def rl_step(self, run: RunConfig, mesh: Mesh, prompt_len: int) -> RLStep:
         """The RL train step with the run's objective, microbatches and KL probe, jitted and sharded on `mesh`,
         with the shapes of its inputs (`RLStep`)."""
-        loss_fn = make_policy_loss_fn(run.algorithm.loss(run.rollout.max_new_tokens), prompt_len,
-                                      temperature=run.rollout.temperature)
         plan = self.plan
-        train_step = make_train_step(self.graphdef, loss_fn, plan.tx, mode=plan.mode,
-                                     microbatches=run.train.microbatches, trainable=plan.trainable,
-                                     kl_probe=plan.kl_probe, return_updates=True)
+        train_step = rl_train_step(self.graphdef, plan, run.algorithm.loss(run.rollout.max_new_tokens), prompt_len,
+                                   microbatches=run.train.microbatches, temperature=run.rollout.temperature)
         n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
         batch = rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens, with_ref=run.algorithm.kl_beta > 0)
         probe = None if plan.kl_probe is None else probe_batch_shapes(

@@ -4,7 +4,8 @@ The model and optimizer state exist only as shapes (`jax.eval_shape`); the step 
 the training loop runs, with the REINFORCE + TIS objective of `logra_jax.rl.objective` — is lowered from abstract
 sharded inputs and compiled for the mesh, and XLA's analysis gives per-device bytes
   total = argument + output + temp − alias        (`step_memory`, for any step and init function).
-`build_rl_step` gives the same step with real arrays (experiments/device/step_check.py runs it on a GPU).
+`build_rl_step` gives the same step — built as the job builds its own (`logra_jax.job.phases.init_train_state`,
+`rl_train_step`) — with real arrays (experiments/device/step_check.py runs it on a GPU).
 Used by experiments/memory/run.py and colab/memory_analysis.ipynb.
 """
 
@@ -14,18 +15,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from logra_jax.job.optimizer_plan import build_optimizer
+from logra_jax.job.phases import init_train_state, rl_train_step
 from logra_jax.job.run_config import OptimizerSection
-from logra_jax.job.train_step import TrainState, make_train_step, step_shardings
+from logra_jax.job.train_step import TrainState, step_shardings
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import init_model
 from logra_jax.parallel import sharding as shd
 from logra_jax.planner.hlo_cost import hlo_cost
 from logra_jax.rl.losses import LossConfig
-from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, rl_batch_shapes
+from logra_jax.rl.objective import probe_batch_shapes, rl_batch_shapes
 
 
 def options_for(platform: str, compiler_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -126,16 +126,13 @@ def build_rl_step(config: ModelConfig, optimizer: OptimizerSection, data_paralle
     built: dict[str, Any] = {}
 
     def init() -> tuple[TrainState, nnx.State]:
-        model = init_model(config)
-        built["plan"] = plan = build_optimizer(optimizer, model)  # attaches sketch probes when LoGRA needs them
-        built["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
-        return TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32)), rest
+        built["plan"], built["graphdef"], state, rest = init_train_state(optimizer, init_model(config))
+        return state, rest
 
     jax.eval_shape(init)  # traced once: the plan and graph definition exist, no array is allocated
     plan = built["plan"]
-    loss_fn = make_policy_loss_fn(LossConfig(policy="reinforce", tis_cap=2.0), prompt_len, chunk=logprob_chunk)
-    step = make_train_step(built["graphdef"], loss_fn, plan.tx, mode=plan.mode, trainable=plan.trainable,
-                           kl_probe=plan.kl_probe, return_updates=return_updates)
+    step = rl_train_step(built["graphdef"], plan, LossConfig(policy="reinforce", tis_cap=2.0), prompt_len,
+                         logprob_chunk=logprob_chunk, return_updates=return_updates)
     batch = rl_batch_shapes(rows_per_device * data_parallel, prompt_len, seq_len - prompt_len)
     if plan.kl_probe is None:
         return init, step, batch
