@@ -1,6 +1,6 @@
 """The whole job's memory plan (`python -m logra_jax.plan`) for the paper's recipe at several scales and targets.
 
-  python experiments/memory/whole_job.py [--cells 7b@v5e:2x4 27b@h100:8 ...] [--extra '--set=rollout.prompt_chunks=8']
+  python experiments/memory/whole_job.py [--cells 7b@v5e:2x4 27b@h100:8 ...] [--extra '--config.rollout.slots=64']
   python experiments/memory/whole_job.py --table_only     # the table of the cells planned so far
 
 Each cell is the paper's config (configs/paper_qwen2.5_math.py:<size>, FSDP over every device of the target, the
@@ -26,10 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # AdamW keeps float32 weights (bfloat16 storage needs LoGRA's stochastic merges; a placement variant sets it).
 OPTIMIZERS = {
-    "adamw": ["optimizer.name='adamw'", "optimizer.sketch_native=False", "optimizer.kl_control=False",
-              "optimizer.learning_rate=1e-6", "optimizer.weight_dtype='float32'"],
-    "adamw_targets": ["optimizer.name='adamw'", "optimizer.targets_only=True", "optimizer.sketch_native=False",
-                      "optimizer.kl_control=False", "optimizer.learning_rate=1e-6", "optimizer.weight_dtype='float32'"],
+    "adamw": ["optimizer.name=adamw", "optimizer.sketch_native=False", "optimizer.kl_control=False",
+              "optimizer.learning_rate=1e-6", "optimizer.weight_dtype=float32"],
+    "adamw_targets": ["optimizer.name=adamw", "optimizer.targets_only=True", "optimizer.sketch_native=False",
+                      "optimizer.kl_control=False", "optimizer.learning_rate=1e-6", "optimizer.weight_dtype=float32"],
     "logra_kl": [],  # the paper's config as it is: LoGRA sketch-native + predicted-KL control
 }
 # (size, target, HBM GiB for cpu targets): the issue's table
@@ -61,7 +61,7 @@ def plan_cell(size: str, target: str, optimizer: str, out: Path, extra: list[str
     path.parent.mkdir(parents=True, exist_ok=True)
     command = [python_for(target), "-m", "logra_jax.plan", f"--config=configs/paper_qwen2.5_math.py:{size}",
                f"--target={target}", f"--json={path}", *extra,
-               *(arg for s in OPTIMIZERS[optimizer] for arg in ("--set", s))]
+               *(f"--config.{s}" for s in OPTIMIZERS[optimizer])]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                           env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     parser.add_argument("--out", default=str(REPO / "experiments" / "memory" / "whole_job"))
     parser.add_argument("--extra", default="", help="more plan flags in one string, e.g. "
-                        "'--set=rollout.prompt_chunks=8 --phases train step'")
+                        "'--config.rollout.slots=64 --phases=\"train step\"'")
     parser.add_argument("--table_only", action="store_true", help="tabulate the cells already planned")
     args = parser.parse_args()
     out = Path(args.out)

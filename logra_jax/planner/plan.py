@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -110,6 +108,20 @@ def program_time(compiled: Any, info: Any, floor_bytes: float, runs: float = 1.0
         out.update(est_seconds=runs * roof.seconds, floor_seconds=runs * floor_bytes / info.hbm_bandwidth,
                    bound=roof.bound)
     return out
+
+
+# The parts of `program_time`'s result that add up over the programs (and runs) of a phase.
+_SUMMED = ("flops", "hbm_bytes", "collective_bytes", "floor_bytes", "est_seconds", "floor_seconds")
+
+
+def _summed_times(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
+    """Σ runs · time[k] over (time, runs) pairs for each summed part k; None where a part's is unknown."""
+    return {k: None if any(t[k] is None for t, _ in parts) else sum(t[k] * n for t, n in parts) for k in _SUMMED}
+
+
+def _global_bytes(tree: Any) -> int:
+    """Bytes of a tree's arrays over all devices together (`device_bytes` of the unsharded shapes)."""
+    return device_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree))
 
 
 def _io_bytes(program: dict[str, int]) -> int:
@@ -265,18 +277,13 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     if refused:
         return PhaseBytes(name, largest, others, note, refused)
     devices = mesh.devices.size
-    kv_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((slots.cache.k, slots.cache.v)))
-    weights = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
-    step = program_time(decode, job.info, (weights + kv_bytes) / devices, loop_iterations=sampling.decode_steps)
+    step = program_time(decode, job.info, (_global_bytes((slots.cache.k, slots.cache.v)) + _global_bytes(state)) /
+                        devices, loop_iterations=sampling.decode_steps)
     waves = -(-rows // S)
     prefill = program_time(refill, job.info, _io_bytes(refill_bytes), runs=waves)
-    time = {key_: step[key_] * waves * sampling.max_new_tokens + prefill[key_]
-            for key_ in ("flops", "hbm_bytes", "collective_bytes", "floor_bytes")}
-    time.update(runs=1, decode_steps=waves * sampling.max_new_tokens, refills=waves, est_seconds=None,
-                floor_seconds=None)
-    if step["est_seconds"] is not None:
-        time.update(est_seconds=step["est_seconds"] * time["decode_steps"] + prefill["est_seconds"],
-                    floor_seconds=step["floor_seconds"] * time["decode_steps"] + prefill["floor_seconds"])
+    decode_steps = waves * sampling.max_new_tokens
+    time = {**_summed_times([(step, decode_steps), (prefill, 1)]), "runs": 1, "decode_steps": decode_steps,
+            "refills": waves}
     return PhaseBytes(name, largest, others, note, "", time, step)
 
 
@@ -370,9 +377,7 @@ def _phase_policy_sync(job: _Job) -> PhaseBytes:
         times.append(phase.time)
         built += result[0]["output"]
     if len(times) > 1:  # the phase's time: every group's program once
-        add = lambda k: None if any(t[k] is None for t in times) else sum(t[k] for t in times)
-        worst.time = {**worst.time, **{k: add(k) for k in ("flops", "hbm_bytes", "collective_bytes", "floor_bytes",
-                                                           "est_seconds", "floor_seconds")}}
+        worst.time = {**worst.time, **_summed_times([(t, 1) for t in times])}
     return worst
 
 
@@ -438,8 +443,7 @@ def _mask(prompts: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(prompts.shape, jnp.bool_, sharding=prompts.sharding)
 
 
-PHASES = ("start", "warm start", "trainer init", "rollout", "KL reference", "train step", "policy sync",
-          "evaluation")
+PHASES = tuple(_PHASE_PLANS)
 # What to change when a phase does not fit.
 ADVICE = {
     "start": "more devices (train.mesh_fsdp), or tensor parallelism (train.mesh_tensor)",
@@ -507,84 +511,3 @@ def report(phases: list[PhaseBytes], hbm: int, run: Any = None) -> tuple[str, in
         lines.append(f"{p.name} needs {p.total / GIB:.2f} GiB > {hbm / GIB:.2f}: {ADVICE[p.name]}")
     lines.append("every phase fits" if not over else f"{len(over)} phase(s) do not fit")
     return "\n".join(lines), 3 if over else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (see the module docstring)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m logra_jax.plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="configs/<name>.py[:variant]")
-    parser.add_argument("--target", required=True, help="v5e:2x4, v5p:2x2x1, v6e:2x4, v4:2x2x1, h100:8, ..., cpu:8")
-    parser.add_argument("--hbm_gib", type=float, default=None,
-                        help="per-device memory to fit (default: the target's HBM; needed for cpu:N)")
-    parser.add_argument("--prompt_len", type=int, default=None,
-                        help="prompt tokens per sequence (default: measured from the task's problems as the job "
-                             "does; 512 for a JSONL task whose files are not given)")
-    parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, metavar="PHASE",
-                        help=f"compile only these phases (default all: {', '.join(PHASES)})")
-    parser.add_argument("--json", default="", help="also write the phases as JSON to this file")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a config field, e.g. --set rollout.slots=64 (repeatable)")
-    args = parser.parse_args(argv)
-    from logra_jax.planner import aot
-
-    try:
-        info = aot.target_info(args.target)
-    except ValueError as e:
-        parser.error(str(e))
-    hbm = info.hbm_bytes if args.hbm_gib is None else int(args.hbm_gib * GIB)
-    if hbm is None:
-        parser.error(f"--target={args.target} has no HBM size of its own: pass --hbm_gib")
-    if info.platform == "cpu" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={info.num_devices}").strip()
-    config = _load_config(args.config, args.set, parser)
-    from logra_jax.job.phases import job_mesh
-    from logra_jax.parallel.sharding import FAST_CPU_COMPILE
-
-    run = planning_config(config)
-    mesh = job_mesh(run.train, aot.devices(args.target))
-    recipe_without_data = config.task.kind == "jsonl" and not config.task.jsonl_train
-    # A JSONL recipe planned before its files exist runs at its own prompt length, not the placeholder task's.
-    prompt_len = args.prompt_len or (512 if recipe_without_data else job_prompt_length(run))
-    print(f"plan: {args.config} on {args.target} ({info.device_kind}, mesh data×fsdp×tensor "
-          f"{'×'.join(map(str, mesh.devices.shape))}; {run.model.checkpoint or run.model.preset}, "
-          f"{run.optimizer.name}; jax {jax.__version__})", flush=True)
-    phases = plan_phases(run, mesh, prompt_len,
-                         compiler_options=FAST_CPU_COMPILE if info.platform == "cpu" else None, only=args.phases,
-                         info=info,
-                         progress=lambda name: print(f"  compiling {name} ...", flush=True))
-    text, status = report(phases, hbm, run)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "config": args.config, "target": args.target, "hbm_bytes": hbm, "jax": jax.__version__,
-            "mesh": list(mesh.devices.shape), "prompt_len": prompt_len, "rl_step": rl_step_time(phases, run),
-            "phases": [{**dataclasses.asdict(p), "total": p.total} for p in phases]}, indent=1))
-    return status
-
-
-def _load_config(spec: str, overrides: list[str], parser: Any) -> Any:
-    """The ConfigDict of `configs/x.py[:variant]` with `--set` overrides (values parsed as Python literals)."""
-    import ast
-    import runpy
-
-    path, _, variant = spec.partition(":")
-    if not Path(path).is_file():
-        parser.error(f"--config={spec}: no such file {path}")
-    get_config = runpy.run_path(path)["get_config"]
-    config = get_config(variant) if variant else get_config()
-    for item in overrides:
-        field, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set {item!r}: expected FIELD=VALUE")
-        try:
-            parsed = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            parsed = value
-        section, _, name = field.partition(".")
-        if section not in config or name not in config[section]:
-            parser.error(f"--set {item!r}: config has no field {field}")
-        config[section][name] = parsed
-    return config

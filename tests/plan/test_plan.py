@@ -8,6 +8,7 @@ import json
 import jax
 import pytest
 
+from logra_jax import plan as plan_cli
 from logra_jax.job.phases import job_mesh
 from logra_jax.job.run_config import OptimizerSection, RunConfig
 from logra_jax.models import preset
@@ -42,13 +43,13 @@ def test_bad_flags_name_the_culprit(capsys):
     import pytest
 
     with pytest.raises(SystemExit) as e:
-        plan.main(["--config=configs/demo.py", "--target=cpu:2"])  # no HBM size for fake CPU devices
+        plan_cli.main(["--config=configs/demo.py", "--target=cpu:2"])  # no HBM size for fake CPU devices
     assert e.value.code == 2 and "--hbm_gib" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        plan.main(["--config=configs/demo.py", "--target=tpu9:2x2", "--hbm_gib=1"])
+        plan_cli.main(["--config=configs/demo.py", "--target=tpu9:2x2", "--hbm_gib=1"])
     assert "target must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        plan.main(["--config=configs/demo.py", "--target=cpu:2", "--hbm_gib=1", "--set", "rollout.nope=3"])
+        plan_cli.main(["--config=configs/demo.py", "--target=cpu:2", "--hbm_gib=1", "--config.rollout.nope=3"])
     assert "config has no field rollout.nope" in capsys.readouterr().err
 
 
@@ -132,12 +133,29 @@ def test_the_exit_status_says_which_phase_does_not_fit(capsys, tmp_path):
     """A limit between the trainer init's bytes (the optimizer state from the donated weights) and the start's
     (the weights being created): the start is named with what to change, the trainer init fits."""
     args = ["--config=configs/demo.py:runlocal", "--target=cpu:2", "--prompt_len=8", "--phases", "start",
-            "trainer init", "--set", "sft.steps=0"]
-    assert plan.main([*args, "--hbm_gib=1", f"--json={tmp_path / 'plan.json'}"]) == 0
+            "--phases=trainer init", "--config.sft.steps=0"]
+    assert plan_cli.main([*args, "--hbm_gib=1", f"--json={tmp_path / 'plan.json'}"]) == 0
     assert "every phase fits" in capsys.readouterr().out
     total = {p["name"]: p["total"] for p in json.loads((tmp_path / "plan.json").read_text())["phases"]}
     assert 0 < total["trainer init"] < total["start"], total
-    assert plan.main([*args, f"--hbm_gib={(total['start'] + total['trainer init']) / 2 / 2**30}"]) == 3
+    assert plan_cli.main([*args, f"--hbm_gib={(total['start'] + total['trainer init']) / 2 / 2**30}"]) == 3
     out = capsys.readouterr().out
     assert "start needs" in out and "trainer init needs" not in out and "1 phase(s) do not fit" in out
     assert "more devices (train.mesh_fsdp)" in out  # what to change
+
+
+def test_config_fields_are_overridden_as_for_main(capsys):
+    """`--config.<section>.<field>=<value>` as `python -m logra_jax.main` takes it; a bad override, config file or
+    flag exits 2 naming it."""
+    fv = plan_cli.parse_flags(["--config=configs/demo.py:runlocal", "--target=cpu:2", "--config.rollout.slots=64",
+                               "--phases=rollout", "--phases=train step"])
+    assert fv.config.rollout.slots == 64 and fv.phases == ["rollout", "train step"]
+    assert fv["config"].config_filename == "configs/demo.py:runlocal"
+    for argv, culprit in ((["--config.rollout.slots=abc"], "--config.rollout.slots=abc"),
+                          (["--set", "rollout.slots=64"], "set"), (["--phases=nope"], "--phases=nope")):
+        with pytest.raises(SystemExit) as e:
+            plan_cli.parse_flags(["--config=configs/demo.py", "--target=cpu:2", *argv])
+        assert e.value.code == 2 and culprit in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        plan_cli.parse_flags(["--config=configs/nope.py", "--target=cpu:2"])
+    assert e.value.code == 2 and "configs/nope.py" in capsys.readouterr().err
