@@ -40,14 +40,15 @@ def vllm_run(name: str, reps: int, python: str = str(VLLM_PYTHON), dtype: str = 
 
     from logra_jax.models.hf import export
     from logra_jax.rollout.sampling import SamplingConfig
-    from logra_jax.rollout.vllm.engine import VLLMEngine, VLLMSettings
+    from logra_jax.rollout.vllm.engine import VLLMEngine
+    from logra_jax.rollout.vllm.settings import VLLMSettings
 
     model, prompts, mask, n, budget, eos = bench._case(name)
     rows = prompts.shape[0] * n
     seqs = rows // 2 if name.endswith("spread") else rows
     sampling = SamplingConfig(max_new_tokens=budget, pad_id=0, num_samples=n, temperature=1.0,
                               eos_id=model.config.vocab_size - 1 if eos is None else eos)
-    settings = VLLMSettings(python=python, dtype=dtype, max_num_seqs=seqs, kv_cache_gib=2)
+    settings = VLLMSettings(python=python, dtype=dtype, max_seqs=seqs, kv_cache_gib=2)
     with tempfile.TemporaryDirectory() as tmp:
         folder = export(model, None, Path(tmp) / "model")
         with VLLMEngine(model.config, sampling, nnx.state(model, nnx.Param), model_dir=folder, settings=settings,

@@ -28,6 +28,7 @@ from logra_jax.rl.losses import AGGREGATIONS, POLICIES, LossConfig
 from logra_jax.rl.prompts import PROMPT_STYLES
 from logra_jax.rl.tasks import GENERATED_KINDS, TaskSpec
 from logra_jax.rollout.sampling import SamplingConfig
+from logra_jax.rollout.vllm.settings import VLLMSettings
 
 
 def _fail(field: str, value: Any, why: str) -> None:
@@ -179,6 +180,10 @@ class SFTSection:
         _check_range("sft", "max_final_loss", self.max_final_loss, 0.0)
 
 
+# config.rollout.vllm_<field>: the fields of rollout.vllm.settings.VLLMSettings, with its defaults.
+_VLLM = VLLMSettings()
+_VLLM_FIELDS = tuple(f.name for f in dataclasses.fields(VLLMSettings))
+
 # rollout.decode_layers → the colocated engine's `per_layer` (logra_jax.rollout.engine.DecodeLayout).
 DECODE_LAYERS: dict[str, bool | None] = {"auto": None, "per_layer": True, "stacked": False}
 
@@ -198,8 +203,9 @@ class RolloutSection:
     dtype and layout already match: no second copy of the weights, e.g. a bfloat16 job on one device) or "auto"
     (per_layer on GPUs, stacked elsewhere).
     engine: "jax" (ours, colocated or a worker process by `workers`) or "vllm" (vLLM in its own process from the
-    venv of `make venv-vllm`, fed by low-rank sync); vllm_*: what the job passes to vLLM (its interpreter, tensor
-    parallel size, GPU memory fraction, dtype, max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES)."""
+    venv of `make venv-vllm`, fed by low-rank sync); vllm_<field>: what the job passes to vLLM, the fields of
+    `logra_jax.rollout.vllm.settings.VLLMSettings` (its interpreter, tensor parallel size, GPU memory fraction, dtype,
+    max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES)."""
 
     prompts_per_step: int = 16
     num_samples: int = 4
@@ -214,13 +220,13 @@ class RolloutSection:
     decode_tensor: int = 0
     decode_layers: str = "auto"
     engine: str = "jax"
-    vllm_python: str = ".venv-vllm/bin/python"
-    vllm_tensor_parallel: int = 1
-    vllm_memory_fraction: float = 0.3
-    vllm_dtype: str = "bfloat16"
-    vllm_max_seqs: int = 256
-    vllm_kv_cache_gib: int = 2
-    vllm_devices: str = ""
+    vllm_python: str = _VLLM.python
+    vllm_tensor_parallel: int = _VLLM.tensor_parallel
+    vllm_memory_fraction: float = _VLLM.memory_fraction
+    vllm_dtype: str = _VLLM.dtype
+    vllm_max_seqs: int = _VLLM.max_seqs
+    vllm_kv_cache_gib: int = _VLLM.kv_cache_gib
+    vllm_devices: str = _VLLM.devices
 
     @property
     def per_layer(self) -> bool | None:
@@ -258,18 +264,13 @@ class RolloutSection:
                       "process already): leave it 0")
             self.vllm_settings()
 
-    def vllm_settings(self) -> Any:
-        """The vLLM engine's settings (logra_jax.rollout.vllm.engine.VLLMSettings) from the vllm_* fields.
+    def vllm_settings(self) -> VLLMSettings:
+        """The vLLM engine's settings from the vllm_<field> fields.
 
         Raises:
           ValueError: a vllm_* field VLLMSettings rejects (named config.rollout.vllm_<field>).
         """
-        from logra_jax.rollout.vllm.engine import VLLMSettings
-
-        return VLLMSettings(python=self.vllm_python, tensor_parallel_size=self.vllm_tensor_parallel,
-                            gpu_memory_utilization=self.vllm_memory_fraction, dtype=self.vllm_dtype,
-                            max_num_seqs=self.vllm_max_seqs, kv_cache_gib=self.vllm_kv_cache_gib,
-                            devices=self.vllm_devices)
+        return VLLMSettings(**{name: getattr(self, f"vllm_{name}") for name in _VLLM_FIELDS})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,7 @@ with requires_extra("rl", "logra_jax.job.train"):
     )
     from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
     from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
-    from logra_jax.rollout.engine import rollout_engine
+    from logra_jax.rollout.engine import RolloutEngine, rollout_engine
     from logra_jax.rollout.sampling import SamplingConfig
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
@@ -367,7 +367,7 @@ class _LoopState:
     mine: _ProcessRows
     data_iter: Any
     ref_logprobs: Any
-    engine: Any
+    engine: RolloutEngine
     greedy: SamplingConfig
     start: int
     accuracy_before: float = float("nan")

@@ -534,14 +534,16 @@ def jit_train_step(step: Callable[..., Any], mesh: Mesh, rules: LogicalRules = D
                    compiler_options=None if compiler_options is None else dict(compiler_options))
 
 
-def device_bytes(tree: Any) -> int:
+def device_bytes(tree: Any, *, whole: bool = False) -> int:
     """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard: every device
-    of an evenly sharded leaf holds the same); leaves that are not arrays are skipped."""
+    of an evenly sharded leaf holds the same); whole: the bytes of the whole arrays instead (each counted once,
+    however it is sharded or replicated). Leaves that are not arrays are skipped."""
     total = 0
     for x in jax.tree.leaves(tree):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):  # a static argument (graph definition, config)
             continue
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        sharded = not whole and getattr(x, "sharding", None) is not None
+        shape = x.sharding.shard_shape(x.shape) if sharded else x.shape
         total += math.prod(shape) * x.dtype.itemsize  # extended dtypes (PRNG keys) carry their own itemsize
     return total
 

@@ -1,4 +1,4 @@
-"""The rollout engine behind one interface, colocated or in a worker process.
+"""The rollout engine behind one interface (`RolloutEngine`), colocated or in a process of its own.
 
 Every engine answers the same calls, so the RL loop has one code path:
   publish(updates, params) -> SyncReport     bring the engine to the trainer's weights after an update
@@ -6,6 +6,7 @@ Every engine answers the same calls, so the RL loop has one code path:
                                              devices (the colocated engine's copy; publish rebuilds it)
   generate(prompts, prompt_mask, key, config=None) -> Rollout     (logra_jax.rollout.slots; config: e.g. greedy)
   resyncs; close()
+`rollout_engine` builds the one `config.rollout` asks for.
 
 `ColocatedEngine` decodes on the trainer's devices from weights resident in a layout made for decoding: a
 (data = n / t, fsdp = 1, tensor = t) mesh over the same devices, so every weight is split over a tensor-parallel
@@ -19,17 +20,18 @@ holds each layer's weights as arrays of their own (`ModelConfig.decode_unroll`: 
 out of a stacked weight in every decode step), cut out of the trainer's stacks by the same publish, so it never
 shares a block's weight with the trainer there.
 
-`WorkerEngine` drives a worker process (logra_jax.rollout.worker) through low-rank policy sync
-(logra_jax.rollout.sync.PolicySync): it receives U and seeds, never dense weights, and keeps its own float32
-masters bitwise equal to the trainer's.
+`WorkerEngine` drives an engine process (our worker, logra_jax.rollout.worker; vLLM's, logra_jax.rollout.vllm.engine
+builds on it) through low-rank policy sync (logra_jax.rollout.sync.PolicySync): the process receives U and seeds,
+never dense weights, and keeps its own float32 masters equal to the trainer's.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import time
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Protocol, Self
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +39,61 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax.core.tree_paths import path_str
+from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model, layer_source
 from logra_jax.parallel.derived_specs import full_spec
 from logra_jax.parallel.sharding import MeshConfig, device_bytes, make_mesh, param_shardings
+from logra_jax.rollout.process import SyncReply
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.slots import generate
-from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params
+from logra_jax.rollout.sync import PolicySync, SyncPayload, SyncReport
+from logra_jax.rollout.vllm.settings import VLLMSettings
+
+
+class RolloutEngine(abc.ABC):
+    """The rollout engine's interface (as Tunix's `BaseRollout`): what the RL loop calls, whichever engine serves
+    it. `rollout_engine` builds the one a config asks for: `ColocatedEngine`, `WorkerEngine` or
+    `logra_jax.rollout.vllm.engine.VLLMEngine`."""
+
+    resyncs: int = 0  # snapshots sent to repair the engine's weights (a lost, corrupted or drifted update)
+
+    @abc.abstractmethod
+    def publish(self, updates: Any, params: Any) -> SyncReport:
+        """Bring the engine to the trainer's weights `params`, reached by the update `updates`."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Drop what the engine holds on the trainer's devices until the next `publish` (before the train step)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
+        """Sample with the engine's weights (config: other settings than the engine's, e.g. greedy)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the engine (stop its process, drop its weights)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Transport(Protocol):
+    """The receiving end a `WorkerEngine` feeds: a payload receiver with a sampler on its weights
+    (logra_jax.rollout.worker's transports, `logra_jax.rollout.vllm.engine.VLLMProcess`)."""
+
+    def sync(self, payload: SyncPayload | bytes) -> SyncReply: ...
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout: ...
+
+    def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]: ...
+
+    def close(self) -> None: ...
 
 
 def decode_config(config: ModelConfig, platform: str = "cpu", per_layer: bool | None = None) -> ModelConfig:
@@ -95,8 +144,7 @@ PUBLISH_GROUP_BYTES = 512 * 2**20
 
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of the model's parameters as stored under `config`."""
-    state = nnx.state(abstract_model(config), nnx.Param)
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(state))
+    return device_bytes(nnx.state(abstract_model(config), nnx.Param), whole=True)
 
 
 def _drop_leading(sharding: Any, ndim: int) -> Any:
@@ -176,7 +224,7 @@ class DecodeLayout:
 
     def device_bytes(self, trainer_paths: Collection[str]) -> int:
         """Bytes per device of the engine's leaves made from these trainer leaves (by path)."""
-        return sum(device_bytes(self.leaves[target]) for p in trainer_paths for target, _ in self.sources[p])
+        return device_bytes([self.leaves[target] for p in trainer_paths for target, _ in self.sources[p]])
 
     def cast(self, leaves: dict[str, Any]) -> Any:
         """The jitted cast + reshard of these trainer leaves (arrays or abstract, by path) into the engine's leaves
@@ -204,7 +252,7 @@ class DecodeLayout:
         return jax.tree_util.tree_map_with_path(lambda k, _: flat[path_str(k)], self.abstract)
 
 
-class ColocatedEngine:
+class ColocatedEngine(RolloutEngine):
     """The engine on the trainer's devices, its weights resident in the decode layout (see the module docstring).
 
     Args:
@@ -226,8 +274,6 @@ class ColocatedEngine:
       (1, 7)
     """
 
-    on_device = True
-
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any, rest: Any, *,
                  version: int = 0, tensor: int = 0, per_layer: bool | None = None):
         self.sampling = sampling
@@ -235,7 +281,6 @@ class ColocatedEngine:
         self.graphdef, self.mesh, self.tensor = self.layout.graphdef, self.layout.mesh, self.layout.tensor
         self._rest = flat_params(rest)
         self.version = version
-        self.resyncs = 0
         self.shared_bytes = self.copied_bytes = 0
         self.state: Any = None
         self.publish(None, params, version=version)
@@ -252,8 +297,7 @@ class ColocatedEngine:
             copied.update(self.layout.cast(group)(group))
         self.state = jax.block_until_ready(self.layout.state({**shared, **copied}))
         self.version = self.version + 1 if version is None else version
-        nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in tree.values())
-        self.shared_bytes, self.copied_bytes = nbytes(shared), nbytes(copied)
+        self.shared_bytes, self.copied_bytes = device_bytes(shared, whole=True), device_bytes(copied, whole=True)
         seconds = time.perf_counter() - start
         return SyncReport(self.version, self.copied_bytes, seconds, 0.0,
                           SyncReply("loaded", self.version, "", {"apply": seconds}), "")
@@ -279,19 +323,12 @@ class ColocatedEngine:
     def close(self) -> None:
         self.state = None
 
-    def __enter__(self) -> ColocatedEngine:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+class WorkerEngine(RolloutEngine):
+    """An engine in a process of its own (our rollout worker; vLLM's, `VLLMEngine`, builds on this) fed by low-rank
+    payloads: `publish` pushes the update through `PolicySync` (`sync`) to the transport's receiver."""
 
-
-class WorkerEngine:
-    """A rollout worker process fed by low-rank payloads: `publish` pushes the update through `PolicySync`."""
-
-    on_device = False
-
-    def __init__(self, transport: Any, params: Any, *, version: int = 0, trained: Collection[str] = ()):
+    def __init__(self, transport: Transport, params: Any, *, version: int = 0, trained: Collection[str] = ()):
         self.transport = transport
         self.sync = PolicySync(transport.sync, params, version=version, trained=trained)
 
@@ -303,26 +340,24 @@ class WorkerEngine:
         return self.sync.push(updates, params)
 
     def release(self) -> None:
-        """Nothing to drop: the worker's weights live in its own process."""
+        """Nothing to drop: the engine's weights live in its own process."""
 
     def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
                  config: SamplingConfig | None = None) -> Rollout:
         return self.transport.generate(prompts, prompt_mask, key, config=config)
 
+    def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
+        """(version, {path: float32 master}) of the engine's weights (for drift measurements)."""
+        return self.transport.fetch()
+
     def close(self) -> None:
         self.transport.close()
-
-    def __enter__(self) -> WorkerEngine:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any,
                    rest: Any, *, version: int = 0, trained: Collection[str] = (), decode_tensor: int = 0,
-                   per_layer: bool | None = None, vllm: Any = None, model_dir: str | None = None,
-                   **worker_options: Any) -> Any:
+                   per_layer: bool | None = None, vllm: VLLMSettings | None = None, model_dir: str | None = None,
+                   **worker_options: Any) -> RolloutEngine:
     """The engine for `config.rollout`: with `vllm` (its VLLMSettings) vLLM in its own process on the Hugging Face
     folder `model_dir`, fed by low-rank payloads (`logra_jax.rollout.vllm.engine.VLLMEngine`); else by `workers`:
     0 = colocated (`ColocatedEngine`, decode layout with t = decode_tensor, weights per layer or stacked by

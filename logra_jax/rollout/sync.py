@@ -43,6 +43,7 @@ from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import MatrixDims, Target
+from logra_jax.rollout.process import SyncReply
 from logra_jax.rollout.wire import PayloadError, header, pack, payload_checksum, unpack
 
 FORMAT = "logra-sync/2"  # /2: one fingerprint number per leaf (/1: two)
@@ -234,17 +235,6 @@ def snapshot_payload(params: Any, version: int, *, host: bool = True) -> SyncPay
         return SyncPayload(weights=_copy(flat_params(params)), checksum="", on_device=True, **fields)
     weights = {p: np.asarray(a) for p, a in jax.device_get(flat_params(params)).items()}
     return _sealed(weights=weights, **fields)
-
-
-class SyncReply(NamedTuple):
-    """Receiver's answer: status "applied" (delta), "loaded" (snapshot), "stale" (ignored) or "resync" (with the
-    reason); the version it now holds (None: unsynchronised); its wall seconds per phase ("check": parse, checksum
-    and structure; "apply": merge or load; "fingerprint")."""
-
-    status: Literal["applied", "loaded", "stale", "resync"]
-    version: int | None
-    reason: str = ""
-    seconds: Mapping[str, float] | None = None
 
 
 class SyncError(RuntimeError):

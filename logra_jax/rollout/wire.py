@@ -20,17 +20,14 @@ tag (`FrameError`) before anything in it is read; a channel that saw a bad frame
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import json
 import logging
 import os
 import secrets
-import signal
 import socket
 import struct
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -282,21 +279,3 @@ def accept_engine(listener: socket.socket, secret: bytes, timeout_s: float, *,
             sock.close()
     raise TimeoutError(f"no rollout engine passed the handshake within {timeout_s} s")
 
-
-def run_engine(argv: list[str] | None, description: str, serve: Callable[[Channel], Any]) -> None:
-    """An engine process's main (our worker, the vLLM server): connect back to the trainer's --connect HOST:PORT,
-    prove the run secret (a hex line on stdin with --secret-stdin, else $LOGRA_ROLLOUT_SECRET) and `serve` the
-    keyed channel. Ctrl-C in a terminal reaches the whole process group: the trainer stops at its next step boundary
-    and then shuts the engine down itself, so the engine ignores SIGINT rather than die under it mid-rollout."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--connect", required=True, help="HOST:PORT the trainer listens on")
-    parser.add_argument("--secret-stdin", action="store_true",
-                        help=f"read the run secret (hex) from stdin; otherwise from ${SECRET_ENV}")
-    args = parser.parse_args(argv)
-    secret = check_secret(bytes.fromhex(sys.stdin.readline().strip()), "stdin") if args.secret_stdin \
-        else secret_from_env()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    host, port = args.connect.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        serve(client_handshake(sock, secret))

@@ -6,14 +6,10 @@ trainer's by the payloads of logra_jax.rollout.sync) and the engine around them,
 Both transports expose the same calls: sync(payload | bytes) -> SyncReply; generate(prompts, prompt_mask, key,
 config=None) -> Rollout (logra_jax.rollout.slots, on the engine's current weights); fetch() -> (version, {path:
 array}); counts(); close().
-The worker (`python -m logra_jax.rollout.worker --connect HOST:PORT --secret-stdin`) connects back to a loopback
-socket the trainer listens on, proves it holds the run's secret (read from its stdin, or from the environment
-variable LOGRA_ROLLOUT_SECRET; never from its command line), receives the model and sampling configs and the JAX
-numerics flags that must match the trainer's (default matmul precision, threefry partitioning, x64), then serves one
-request at a time. Frames are `logra_jax.rollout.wire.Channel`'s keyed frames (a stranger that connects first is
-refused and logged; a forged or replayed frame is refused before it is read, and closes the connection): an op
-byte and a body framed by `logra_jax.rollout.wire.pack` (a sync carries the payload's own bytes); replies are
-packed {"ok": ...} frames. The worker runs on the trainer's platform by default (bitwise sync
+The worker (`python -m logra_jax.rollout.worker --connect HOST:PORT --secret-stdin`) is an engine process of
+logra_jax.rollout.process: it connects back to the trainer, proves the run's secret, receives in its hello the model
+and sampling configs and the JAX numerics flags that must match the trainer's (default matmul precision, threefry
+partitioning, x64), then serves one request at a time. It runs on the trainer's platform by default (bitwise sync
 needs the same backend on both ends) and, on CPU, on one device whatever XLA_FLAGS asked for.
 """
 
@@ -22,49 +18,28 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
-import weakref
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, ClassVar, Self
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from logra_jax.core.fingerprint import tree_fingerprint
-from logra_jax.core.tree_paths import path_str
+from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import abstract_model
 from logra_jax.optim.lowrank import apply_updates
+from logra_jax.rollout import process
+from logra_jax.rollout.process import EngineProcess, Reply, SyncReply, run_engine
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.slots import Sampler
-from logra_jax.rollout.sync import SyncPayload, SyncReply, flat_params
-from logra_jax.rollout.wire import (
-    Channel,
-    FrameError,
-    PayloadError,
-    accept_engine,
-    check_secret,
-    new_secret,
-    pack,
-    run_engine,
-    unpack,
-)
+from logra_jax.rollout.sync import SyncPayload
+from logra_jax.rollout.wire import Channel, PayloadError, new_secret, pack, unpack
 
-_OPS = {"hello": b"H", "sync": b"S", "generate": b"G", "fetch": b"F", "counts": b"C", "shutdown": b"Q"}
-_OP_NAMES = {v: k for k, v in _OPS.items()}
 _JAX_FLAGS = ("jax_default_matmul_precision", "jax_threefry_partitionable", "jax_enable_x64")
-
-
-class WorkerError(RuntimeError):
-    """The rollout worker process failed to start, died, or reported an error (message carries its log)."""
-
 
 _apply = jax.jit(apply_updates, donate_argnums=0)
 
@@ -179,8 +154,6 @@ class RolloutWorker:
       True
     """
 
-    on_device = False  # payloads arrive as bytes or host copies
-
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig,
                  shardings: Mapping[str, jax.sharding.Sharding] | None = None):
         mesh = None if not shardings else next(iter(shardings.values())).mesh
@@ -221,11 +194,9 @@ class InProcessTransport(RolloutWorker):
     """The payload receiver in the trainer's process, with its own float32 copy of the weights (the payload route
     without a process boundary; the job's colocated engine is `logra_jax.rollout.engine.ColocatedEngine`).
 
-    Payloads are handed over as device arrays (`SyncPayload.on_device`); with `shardings` the copy lives on that
-    mesh, each process of a multi-process run holding and updating its own shards, and `generate` takes and
-    returns global arrays."""
-
-    on_device = True
+    Payloads may be handed over as device arrays (`PolicySync(..., on_device=True)`); with `shardings` the copy
+    lives on that mesh, each process of a multi-process run holding and updating its own shards, and `generate`
+    takes and returns global arrays."""
 
 
 def _key_arrays(key: jax.Array) -> tuple[str | None, np.ndarray]:
@@ -242,102 +213,6 @@ def _worker_env(platform: str) -> dict[str, str]:
     else:
         env.pop("XLA_FLAGS", None)
     return env
-
-
-class EngineProcess:
-    """An engine process on this host (our rollout worker, the vLLM server), driven over the keyed channel of
-    logra_jax.rollout.wire: started with the run secret on its stdin and its output in a log file, connected back
-    to a loopback listener, one request at a time, and stopped with its owner (`close`, or when it is dropped).
-    Subclasses start it with `_launch` and name their ops in `OPS` (shutdown is b"Q")."""
-
-    label = "engine process"
-    OPS: ClassVar[Mapping[str, bytes]] = {}
-    request_timeout_s: float
-
-    def _launch(self, argv: list[str], env: Mapping[str, str], secret: bytes, start_timeout_s: float,
-                cwd: str | Path | None = None) -> None:
-        """Start `argv` + --connect HOST:PORT --secret-stdin and wait for it to connect (WorkerError if it exits or
-        does not within `start_timeout_s`, with its log)."""
-        self._log = Path(tempfile.mkstemp(prefix=self.label.replace(" ", "_") + "_", suffix=".log")[1])
-        listener = socket.create_server(("127.0.0.1", 0))
-        with self._log.open("wb") as log:
-            self._proc = subprocess.Popen(
-                [*argv, "--connect", f"127.0.0.1:{listener.getsockname()[1]}", "--secret-stdin"], env=dict(env),
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
-        self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
-        try:
-            self._proc.stdin.write(secret.hex().encode() + b"\n")
-            self._proc.stdin.close()
-        except OSError:  # it died at once: accept_engine reports its log
-            pass
-        try:
-            self._chan: Channel | None = accept_engine(listener, secret, start_timeout_s, alive=self._alive)
-        except TimeoutError:
-            _stop(self._proc, None, None, grace_s=0.0)
-            raise WorkerError(f"{self.label} did not connect within {start_timeout_s} s:\n{self.log_tail()}") from None
-        finally:
-            listener.close()
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._chan.sock, self._log)
-
-    def _alive(self) -> None:
-        if self._proc.poll() is not None:
-            raise WorkerError(f"{self.label} exited with code {self._proc.returncode} before connecting:\n"
-                              f"{self.log_tail()}")
-
-    @property
-    def pid(self) -> int:
-        """The engine's process id."""
-        return self._proc.pid
-
-    def log_tail(self, chars: int = 6000) -> str:
-        """The end of the engine's stdout/stderr log."""
-        try:
-            return self._log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def _request(self, op: str, body: bytes | memoryview = b"", timeout_s: float | None = None
-                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        if self._chan is None:
-            raise WorkerError(f"{self.label} is closed")
-        self._chan.sock.settimeout(self.request_timeout_s if timeout_s is None else timeout_s)
-        try:
-            self._chan.send(self.OPS[op], body)
-            _, reply = self._chan.recv()
-        except (OSError, ConnectionError) as err:  # FrameError included: the stream cannot be trusted any more
-            try:  # an engine that dropped the connection is usually on its way out: let it finish
-                code = self._proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                code = None
-            state = "was still running (killed)" if code is None else f"exited with code {code}"
-            message = f"{self.label} {op!r} request failed ({err!r}); it {state}:\n{self.log_tail()}"
-            self._proc.kill()  # the stream is out of step now: this engine is done
-            self._finalizer()
-            self._chan = None
-            raise WorkerError(message) from err
-        meta, arrays = unpack(reply)
-        if not meta.get("ok"):
-            raise WorkerError(f"{self.label} {op!r} request failed: {meta.get('error')}\n{meta.get('traceback')}")
-        return meta, arrays
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the engine to exit; kill it if it has not within `timeout_s`. Idempotent."""
-        if self._chan is not None:
-            try:
-                self._chan.sock.settimeout(timeout_s)
-                self._chan.send(b"Q")
-                self._chan.recv()
-            except (OSError, ConnectionError):
-                pass
-        self._finalizer()
-        self._chan = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 class WorkerProcessTransport(EngineProcess):
@@ -363,26 +238,18 @@ class WorkerProcessTransport(EngineProcess):
       ...     rollout = engine.generate(prompts, prompt_mask, jax.random.key(0))
     """
 
-    on_device = False  # payloads travel as bytes
     label = "rollout worker"
-    OPS = _OPS
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, *, platform: str | None = None,
                  env: Mapping[str, str] | None = None, start_timeout_s: float = 120.0,
                  request_timeout_s: float = 600.0, secret: bytes | None = None):
-        self.request_timeout_s = request_timeout_s
-        secret = new_secret() if secret is None else check_secret(secret, "WorkerProcessTransport")
-        self._launch([sys.executable, "-m", "logra_jax.rollout.worker"],
-                     {**_worker_env(platform or jax.default_backend()), **(env or {})}, secret, start_timeout_s)
         flags = {name: getattr(jax.config, name) for name in _JAX_FLAGS}
-        self._request("hello", pack({"model": dataclasses.asdict(model_config),
-                                     "sampling": dataclasses.asdict(sampling), "jax_config": flags}, {}),
-                      timeout_s=start_timeout_s)
-
-    def sync(self, payload: SyncPayload | bytes) -> SyncReply:
-        data = payload.to_bytes() if isinstance(payload, SyncPayload) else payload
-        meta, _ = self._request("sync", data)
-        return SyncReply(meta["status"], meta["version"], meta["reason"], meta["seconds"])
+        hello = pack({"model": dataclasses.asdict(model_config), "sampling": dataclasses.asdict(sampling),
+                      "jax_config": flags}, {})
+        super().__init__([sys.executable, "-m", "logra_jax.rollout.worker"],
+                         {**_worker_env(platform or jax.default_backend()), **(env or {})},
+                         new_secret() if secret is None else secret, hello, start_timeout_s=start_timeout_s,
+                         request_timeout_s=request_timeout_s)
 
     def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
                  config: SamplingConfig | None = None) -> Rollout:
@@ -393,76 +260,46 @@ class WorkerProcessTransport(EngineProcess):
         _, arrays = self._request("generate", body)
         return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
 
-    def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
-        meta, arrays = self._request("fetch")
-        return meta["version"], {name: np.array(a) for name, a in arrays.items()}
-
     def counts(self) -> dict[str, int]:
         """Receiver outcomes so far: applied, loaded, stale, resync."""
         return self._request("counts")[0]["counts"]
 
 
-def _stop(proc: subprocess.Popen, sock: socket.socket | None, log: Path | None, grace_s: float = 10.0) -> None:
-    """Close the socket, give the worker `grace_s` to exit (it does once the trainer hangs up), then kill it."""
-    if sock is not None:
-        sock.close()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    if log is not None:
-        log.unlink(missing_ok=True)
 
 
-def _handle(worker: RolloutWorker | None, op: str, body: memoryview
-            ) -> tuple[RolloutWorker | None, dict[str, Any], Mapping[str, np.ndarray]]:
-    if op == "hello":
-        meta, _ = unpack(body)
-        for name, value in meta["jax_config"].items():
-            jax.config.update(name, value)
-        return RolloutWorker(ModelConfig(**meta["model"]), SamplingConfig(**meta["sampling"])), {}, {}
-    if worker is None:
-        raise RuntimeError(f"request {op!r} before hello")
-    if op == "sync":
-        reply = worker.sync(body)
-        return worker, reply._asdict(), {}
-    if op == "generate":
-        meta, arrays = unpack(body)
-        key = jax.random.wrap_key_data(arrays["key"], impl=meta["key_impl"]) if meta["key_impl"] else arrays["key"]
-        config = None if meta.get("sampling") is None else SamplingConfig(**meta["sampling"])
-        out = worker.generate(arrays["prompts"], arrays["prompt_mask"], key, config)
-        return worker, {}, {name: np.asarray(v) for name, v in out._asdict().items()}
-    if op == "counts":
-        return worker, {"counts": worker.counts()}, {}
-    if op == "fetch":
-        version, params = worker.fetch()
-        return worker, {"version": version}, params
-    raise RuntimeError(f"unknown op {op!r}")
+def _hello(body: memoryview) -> RolloutWorker:
+    """The worker the trainer's hello asks for, under the trainer's JAX numerics flags."""
+    meta, _ = unpack(body)
+    for name, value in meta["jax_config"].items():
+        jax.config.update(name, value)
+    return RolloutWorker(ModelConfig(**meta["model"]), SamplingConfig(**meta["sampling"]))
+
+
+def _generate(worker: RolloutWorker, body: memoryview) -> Reply:
+    meta, arrays = unpack(body)
+    key = jax.random.wrap_key_data(arrays["key"], impl=meta["key_impl"]) if meta["key_impl"] else arrays["key"]
+    config = None if meta.get("sampling") is None else SamplingConfig(**meta["sampling"])
+    out = worker.generate(arrays["prompts"], arrays["prompt_mask"], key, config)
+    return {}, {name: np.asarray(v) for name, v in out._asdict().items()}
+
+
+def _fetch(worker: RolloutWorker, body: memoryview) -> Reply:
+    version, params = worker.fetch()
+    return {"version": version}, params
+
+
+_ANSWERS: Mapping[str, Callable[[RolloutWorker, memoryview], Reply]] = {
+    "sync": lambda worker, body: (worker.sync(body)._asdict(), {}),
+    "generate": _generate,
+    "fetch": _fetch,
+    "counts": lambda worker, body: ({"counts": worker.counts()}, {}),
+}
 
 
 def serve(chan: Channel, worker: RolloutWorker | None = None) -> RolloutWorker | None:
-    """Answer requests on `chan` until a shutdown request, the trainer hanging up, or a frame that fails its tag
-    (refused unread, logged to stderr; the connection is closed) — the worker's main loop. `worker`: the engine
-    to serve (None: built by the trainer's hello request); returns it."""
-    while True:
-        try:
-            code, body = chan.recv()
-        except FrameError as err:
-            print(f"rollout worker: {err}; closing the connection", file=sys.stderr, flush=True)
-            return worker
-        except ConnectionError:
-            return worker
-        op = _OP_NAMES.get(code, repr(code))
-        if op == "shutdown":
-            chan.send(b"R", pack({"ok": True}, {}))
-            return worker
-        try:
-            worker, meta, arrays = _handle(worker, op, body)
-            reply = pack({"ok": True, **meta}, arrays)
-        except Exception as err:  # reported to the trainer, which raises WorkerError; the worker keeps serving
-            reply = pack({"ok": False, "error": repr(err), "traceback": traceback.format_exc()}, {})
-        chan.send(b"R", reply)
+    """The worker process's loop (`logra_jax.rollout.process.serve` over the worker's requests): `worker` is the
+    engine to serve (None: built by the trainer's hello request); returns it."""
+    return process.serve(chan, _hello, _ANSWERS, worker, label="rollout worker")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,6 @@
-"""Only the job's own engines get in: keyed handshake and frames (logra_jax.rollout.wire) and the worker loop that
-refuses a forged or replayed frame before applying anything (logra_jax.rollout.worker.serve)."""
+"""Only the job's own engines get in: keyed handshake and frames (logra_jax.rollout.wire) and the engine loop that
+refuses a forged or replayed frame before applying anything (logra_jax.rollout.process.serve, as the worker runs
+it)."""
 
 import logging
 import socket
@@ -13,6 +14,7 @@ from flax import nnx
 
 from logra_jax.models.config import preset
 from logra_jax.models.decoder import init_model
+from logra_jax.rollout.process import OPS
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.sync import snapshot_payload
 from logra_jax.rollout.wire import (
@@ -25,7 +27,7 @@ from logra_jax.rollout.wire import (
     server_handshake,
     unpack,
 )
-from logra_jax.rollout.worker import _OPS, RolloutWorker, serve
+from logra_jax.rollout.worker import RolloutWorker, serve
 
 
 def _pair(secret_t: bytes, secret_e: bytes) -> tuple[Channel, Channel]:
@@ -127,7 +129,7 @@ def test_worker_refuses_forged_and_replayed_sync_and_applies_nothing():
     thread.start()
 
     def request(payload_bytes):
-        frame = trainer.seal(_OPS["sync"], payload_bytes)
+        frame = trainer.seal(OPS["sync"], payload_bytes)
         for piece in frame:
             trainer.sock.sendall(piece)
         return unpack(trainer.recv()[1])[0], frame
@@ -157,7 +159,7 @@ def test_worker_refuses_forged_and_replayed_sync_and_applies_nothing():
     thread = threading.Thread(target=lambda: done.__setitem__("worker", serve(engine, worker)))
     thread.start()
     forged = snapshot_payload(jax.tree.map(lambda x: 3 * x, params), 2).to_bytes()
-    trainer.sock.sendall(struct.pack("<Q", len(forged) + 1) + _OPS["sync"] + forged + b"\0" * 32)
+    trainer.sock.sendall(struct.pack("<Q", len(forged) + 1) + OPS["sync"] + forged + b"\0" * 32)
     thread.join(timeout=30)
     assert not thread.is_alive() and worker.weights.version == 1 and worker.counts()["loaded"] == 2
     for chan in (trainer, engine):

@@ -16,11 +16,12 @@ from logra_jax.models.decoder import init_model
 from logra_jax.optim import LowRankUpdate, apply_updates, find_targets, logra, path_str
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.parallel.sharding import MeshConfig, make_mesh
-from logra_jax.rollout.engine import ColocatedEngine, rollout_engine
+from logra_jax.rollout.engine import ColocatedEngine, RolloutEngine, rollout_engine
+from logra_jax.rollout.process import SyncReply, WorkerError
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.slots import Sampler
-from logra_jax.rollout.sync import PolicySync, SyncReply, flat_params
-from logra_jax.rollout.worker import InProcessTransport, WorkerError, WorkerProcessTransport
+from logra_jax.rollout.sync import PolicySync, flat_params
+from logra_jax.rollout.worker import InProcessTransport, WorkerProcessTransport
 
 # its module-scoped fixtures are built once: every test of the module on one xdist worker (make test's
 # --dist loadgroup)
@@ -221,7 +222,8 @@ def test_worker_errors_are_clear():
 def test_rollout_engine_switch():
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     args = (CONFIG, SAMPLING, mesh, PARAMS0, {})
-    assert isinstance(rollout_engine(0, *args), ColocatedEngine)
+    engine = rollout_engine(0, *args)
+    assert isinstance(engine, ColocatedEngine) and isinstance(engine, RolloutEngine)
     with pytest.raises(ValueError, match="workers must be 0"):
         rollout_engine(2, *args)
     with pytest.raises(ValueError, match="only apply to workers=1"):

@@ -16,7 +16,8 @@ from logra_jax.models.hf import export
 from logra_jax.optim import apply_updates, logra
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.sync import flat_params
-from logra_jax.rollout.vllm.engine import VLLMEngine, VLLMSettings
+from logra_jax.rollout.vllm.engine import VLLMEngine
+from logra_jax.rollout.vllm.settings import VLLMSettings
 
 PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 # `make venv-vllm` writes its stamp after `import vllm` worked there (importing vllm to ask takes 6 s per
@@ -54,7 +55,7 @@ def _train_step(params, opt_state, tokens, attention_mask, response_mask):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     folder = export(nnx.merge(GRAPHDEF, PARAMS0), None, tmp_path_factory.mktemp("hf") / "model")
-    settings = VLLMSettings(python=str(PYTHON), dtype="float32", kv_cache_gib=1, max_num_seqs=8)
+    settings = VLLMSettings(python=str(PYTHON), dtype="float32", kv_cache_gib=1, max_seqs=8)
     with VLLMEngine(CONFIG, SAMPLING, PARAMS0, model_dir=folder, settings=settings) as engine:
         yield engine
 

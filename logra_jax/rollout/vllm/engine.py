@@ -2,8 +2,8 @@
 
 `VLLMEngine` starts `python -m logra_jax.rollout.vllm.server` with the interpreter of the vLLM venv (`make
 venv-vllm`), on a Hugging Face folder of the job's model (`logra_jax.models.hf.export`, or the user's checkpoint),
-and drives it over the keyed channel of logra_jax.rollout.wire (the run secret goes to it through its stdin). It
-answers the engine interface of logra_jax.rollout.engine:
+as an engine process of logra_jax.rollout.process (`VLLMProcess`), and drives it as our worker is driven
+(`logra_jax.rollout.engine.WorkerEngine`, the `RolloutEngine` interface):
   publish(updates, params) -> SyncReport    the same payloads as the JAX worker (`PolicySync`): U and seeds, never
                                             dense weights; the server merges them into float32 masters in torch
                                             (logra_jax.rollout.vllm.extension) and reloads the changed tensors into
@@ -28,58 +28,21 @@ import os
 import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.core.tree_paths import flat_params
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.hf import hf_tensor_names, rope_heads
+from logra_jax.rollout.engine import WorkerEngine
+from logra_jax.rollout.process import EngineProcess, WorkerError
 from logra_jax.rollout.sampling import Rollout, SamplingConfig
-from logra_jax.rollout.sync import PolicySync, SyncReply, SyncReport, flat_params, snapshot_payload
+from logra_jax.rollout.sync import SyncReport, snapshot_payload
+from logra_jax.rollout.vllm.settings import VLLMSettings
 from logra_jax.rollout.wire import new_secret, pack
-from logra_jax.rollout.worker import EngineProcess, WorkerError
-
-VLLM_DTYPES = ("float32", "bfloat16", "float16")
-
-
-# VLLMSettings field → its config field (config.rollout.vllm_<name>).
-_FIELDS = {"tensor_parallel_size": "tensor_parallel", "max_num_seqs": "max_seqs", "kv_cache_gib": "kv_cache_gib"}
-
-
-@dataclasses.dataclass(frozen=True)
-class VLLMSettings:
-    """What the job passes through to vLLM (config.rollout.vllm_*).
-
-    Attributes:
-      python: the vLLM venv's interpreter (`make venv-vllm` makes .venv-vllm/bin/python).
-      tensor_parallel_size: vLLM's tensor-parallel degree.
-      gpu_memory_utilization: vLLM's memory fraction on a GPU (ignored by its CPU build).
-      dtype: the dtype vLLM holds and computes in ("float32", "bfloat16", "float16").
-      max_num_seqs: sequences vLLM decodes at once.
-      kv_cache_gib: VLLM_CPU_KVCACHE_SPACE for the CPU build (GiB).
-      devices: CUDA_VISIBLE_DEVICES for the engine ("" leaves it as it is).
-    """
-
-    python: str = ".venv-vllm/bin/python"
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.3
-    dtype: str = "bfloat16"
-    max_num_seqs: int = 256
-    kv_cache_gib: int = 2
-    devices: str = ""
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "max_num_seqs", "kv_cache_gib"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config.rollout.vllm_{_FIELDS[name]} must be a positive integer, got {value!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"config.rollout.vllm_memory_fraction must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization!r}")
-        if self.dtype not in VLLM_DTYPES:
-            raise ValueError(f"config.rollout.vllm_dtype must be one of {VLLM_DTYPES}, got {self.dtype!r}")
 
 
 def hf_table(config: ModelConfig) -> dict[str, list[Any]]:
@@ -89,7 +52,64 @@ def hf_table(config: ModelConfig) -> dict[str, list[Any]]:
             for path, name, transpose in hf_tensor_names(config)}
 
 
-class VLLMEngine(EngineProcess):
+class VLLMProcess(EngineProcess):
+    """The vLLM server process (`python -m logra_jax.rollout.vllm.server` with the vLLM venv's interpreter): the
+    transport `VLLMEngine` drives (sync, generate, probe, fetch).
+
+    Args:
+      model_config: the trainer's model config.
+      sampling: the rollout's sampling settings (`generate`'s default).
+      shapes: {path: shape} of the trainer's parameters (the server's float32 masters).
+      model_dir, settings, start_timeout_s, request_timeout_s, secret: as `VLLMEngine`.
+
+    Raises:
+      WorkerError: the interpreter is missing, or vLLM exits or does not come up in time (with its log).
+      ValueError: `model_dir` holds no config.json.
+    """
+
+    label = "vLLM engine"
+
+    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, shapes: Mapping[str, tuple[int, ...]],
+                 *, model_dir: str | Path, settings: VLLMSettings, start_timeout_s: float, request_timeout_s: float,
+                 secret: bytes | None):
+        python = Path(settings.python)
+        if not python.is_file():
+            raise WorkerError(f"config.rollout.vllm_python = {str(python)!r} does not exist: run `make venv-vllm`")
+        if not Path(model_dir, "config.json").is_file():
+            raise ValueError(f"VLLMEngine: model_dir {str(model_dir)!r} holds no config.json (export the model "
+                             "with logra_jax.models.hf.export)")
+        self.sampling = sampling
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("XLA_FLAGS", None)
+        if settings.devices:
+            env["CUDA_VISIBLE_DEVICES"] = settings.devices
+        hello = {"model_dir": str(Path(model_dir).resolve()), "vllm": dataclasses.asdict(settings),
+                 "table": hf_table(model_config), "shapes": {p: list(shape) for p, shape in shapes.items()},
+                 "max_model_len": int(model_config.max_seq_len)}
+        super().__init__([str(python), "-m", "logra_jax.rollout.vllm.server"], env,
+                         new_secret() if secret is None else secret, pack(hello, {}),
+                         start_timeout_s=start_timeout_s, request_timeout_s=request_timeout_s,
+                         cwd=Path(__file__).resolve().parents[3])
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
+        """Sample with vLLM (config: other sampling settings, e.g. greedy); rows as our sampler's (prompt-major)."""
+        config = config or self.sampling
+        data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        seed = int(np.asarray(data, np.uint32).reshape(-1)[-1])
+        body = pack({"sampling": dataclasses.asdict(config), "seed": seed},
+                    {"prompts": np.asarray(prompts, np.int32), "prompt_mask": np.asarray(prompt_mask, bool)})
+        _, arrays = self._request("generate", body)
+        return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
+
+    def probe(self, index: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """{path: the masters' float32 values at these flat indices}."""
+        _, arrays = self._request("probe", pack({}, {p: i.astype(np.int32) for p, i in index.items()}))
+        return arrays
+
+
+class VLLMEngine(WorkerEngine):
     """vLLM in its own process, fed by low-rank sync (see the module docstring).
 
     Args:
@@ -97,7 +117,7 @@ class VLLMEngine(EngineProcess):
       sampling: the rollout's sampling settings.
       params: the trainer's weights (nnx.State of the Params) at `version`.
       model_dir: a Hugging Face folder of this model (vLLM builds its model from it; weights come by snapshot).
-      settings: VLLMSettings.
+      settings: VLLMSettings (None: its defaults).
       version, trained: as `PolicySync`.
       probe_every, probe_entries, probe_tolerance: the drift check (module docstring); probe_every=0 turns it off.
       start_timeout_s, request_timeout_s: how long vLLM may take to come up, and one request.
@@ -107,52 +127,25 @@ class VLLMEngine(EngineProcess):
       WorkerError: the interpreter is missing, or vLLM exits or does not come up in time (with its log).
     """
 
-    on_device = False
-    label = "vLLM engine"
-    OPS: ClassVar[Mapping[str, bytes]] = {"hello": b"H", "sync": b"S", "generate": b"G", "probe": b"P",
-                                          "fetch": b"F"}
-
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, params: Any, *, model_dir: str | Path,
-                 settings: VLLMSettings = VLLMSettings(), version: int = 0, trained: Collection[str] = (),
+                 settings: VLLMSettings | None = None, version: int = 0, trained: Collection[str] = (),
                  probe_every: int = 1, probe_entries: int = 64, probe_tolerance: float = 1e-4,
                  start_timeout_s: float = 600.0, request_timeout_s: float = 1800.0, secret: bytes | None = None):
-        python = Path(settings.python)
-        if not python.is_file():
-            raise WorkerError(f"config.rollout.vllm_python = {str(python)!r} does not exist: run `make venv-vllm`")
-        if not Path(model_dir, "config.json").is_file():
-            raise ValueError(f"VLLMEngine: model_dir {str(model_dir)!r} holds no config.json (export the model "
-                             "with logra_jax.models.hf.export)")
-        self.sampling, self.settings = sampling, settings
-        self.request_timeout_s = request_timeout_s
-        self.probe_every, self.probe_tolerance = probe_every, probe_tolerance
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("XLA_FLAGS", None)
-        if settings.devices:
-            env["CUDA_VISIBLE_DEVICES"] = settings.devices
-        self._launch([str(python), "-m", "logra_jax.rollout.vllm.server"], env,
-                     new_secret() if secret is None else secret, start_timeout_s,
-                     cwd=Path(__file__).resolve().parents[2])
         flat = flat_params(params)
-        hello = {"model_dir": str(Path(model_dir).resolve()), "vllm": dataclasses.asdict(settings),
-                 "table": hf_table(model_config), "shapes": {p: list(a.shape) for p, a in flat.items()},
-                 "max_model_len": int(model_config.max_seq_len)}
-        self._request("hello", pack(hello, {}), timeout_s=start_timeout_s)
         rng = np.random.default_rng(0)
         self._probe_index = {p: np.sort(rng.choice(a.size, min(probe_entries, a.size), replace=False))
                              for p, a in flat.items()}
-        self.sync = PolicySync(self._sync, params, version=version, trained=trained)
+        self.probe_every, self.probe_tolerance = probe_every, probe_tolerance
         self.probe_resyncs = 0
         self.last_drift: dict[str, float] = {}
+        transport = VLLMProcess(model_config, sampling, {p: tuple(a.shape) for p, a in flat.items()},
+                                model_dir=model_dir, settings=settings or VLLMSettings(),
+                                start_timeout_s=start_timeout_s, request_timeout_s=request_timeout_s, secret=secret)
+        super().__init__(transport, params, version=version, trained=trained)
 
     @property
     def resyncs(self) -> int:
         return self.sync.resyncs + self.probe_resyncs
-
-    def _sync(self, payload: Any) -> SyncReply:
-        data = payload.to_bytes() if not isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        meta, _ = self._request("sync", data)
-        return SyncReply(meta["status"], meta["version"], meta["reason"], meta["seconds"])
 
     def publish(self, updates: Any, params: Any) -> SyncReport:
         """Push the update as a delta; every `probe_every` publications check drift and resync past tolerance."""
@@ -176,24 +169,5 @@ class VLLMEngine(EngineProcess):
     def drift(self, params: Any) -> dict[str, float]:
         """{path: max |W_engine − W_trainer|} over the probed entries (float32 masters on the engine side)."""
         ours = self._trainer_probe(params)
-        _, theirs = self._request("probe", pack({}, {p: i.astype(np.int32) for p, i in self._probe_index.items()}))
+        theirs = self.transport.probe(self._probe_index)
         return {p: float(np.abs(theirs[p].astype(np.float64) - ours[p].astype(np.float64)).max()) for p in ours}
-
-    def release(self) -> None:
-        """Nothing to drop: vLLM's weights live in its own process."""
-
-    def fetch(self) -> tuple[int | None, dict[str, np.ndarray]]:
-        """(version, {path: float32 master}) of the engine's masters (for drift measurements)."""
-        meta, arrays = self._request("fetch")
-        return meta["version"], {p: np.array(a) for p, a in arrays.items()}
-
-    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
-                 config: SamplingConfig | None = None) -> Rollout:
-        """Sample with vLLM (config: other sampling settings, e.g. greedy); rows as our sampler's (prompt-major)."""
-        config = config or self.sampling
-        data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-        seed = int(np.asarray(data, np.uint32).reshape(-1)[-1])
-        body = pack({"sampling": dataclasses.asdict(config), "seed": seed},
-                    {"prompts": np.asarray(prompts, np.int32), "prompt_mask": np.asarray(prompt_mask, bool)})
-        _, arrays = self._request("generate", body)
-        return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})

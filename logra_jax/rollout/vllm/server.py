@@ -1,24 +1,27 @@
 """The vLLM engine process: `python -m logra_jax.rollout.vllm.server --connect HOST:PORT --secret-stdin`, run with
 the vLLM venv's interpreter by `logra_jax.rollout.vllm.engine.VLLMEngine` (no JAX here).
 
-It proves the run secret to the trainer (logra_jax.rollout.wire), builds `vllm.LLM` on the model folder the hello
-names (weights then come by snapshot), and serves one request at a time: sync (payload bytes → TorchMasters →
-changed tensors reloaded into vLLM), generate (token-id prompts → Rollout arrays), probe, fetch, shutdown.
+An engine process of logra_jax.rollout.process, as our JAX worker is: it proves the run secret to the trainer,
+builds `vllm.LLM` on the model folder the hello names (weights then come by snapshot), and serves one request at a
+time: sync (payload bytes → TorchMasters → changed tensors reloaded into vLLM), generate (token-id prompts →
+Rollout arrays), probe, fetch, shutdown.
 Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (tensors are handed to the worker extension in process).
 """
 
 from __future__ import annotations
 
-import sys
 import time
-import traceback
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from logra_jax.rollout import process
+from logra_jax.rollout.process import Reply, run_engine
 from logra_jax.rollout.vllm.extension import TorchMasters, hf_tensors
-from logra_jax.rollout.wire import Channel, FrameError, pack, run_engine, unpack
+from logra_jax.rollout.vllm.settings import VLLMSettings
+from logra_jax.rollout.wire import Channel, unpack
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,13 +32,12 @@ class Server:
     def __init__(self, hello: dict[str, Any]):
         from vllm import LLM  # imported here: a second of start-up only where vLLM runs
 
-        settings = hello["vllm"]
-        self.dtype = _TORCH_DTYPES[settings["dtype"]]
+        settings = VLLMSettings(**hello["vllm"])
+        self.dtype = _TORCH_DTYPES[settings.dtype]
         self.table = hello["table"]
-        self.llm = LLM(model=hello["model_dir"], dtype=settings["dtype"],
-                       tensor_parallel_size=settings["tensor_parallel_size"],
-                       gpu_memory_utilization=settings["gpu_memory_utilization"],
-                       max_num_seqs=settings["max_num_seqs"], max_model_len=hello["max_model_len"],
+        self.llm = LLM(model=hello["model_dir"], dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel,
+                       gpu_memory_utilization=settings.memory_fraction, max_num_seqs=settings.max_seqs,
+                       max_model_len=hello["max_model_len"],
                        enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
                        worker_extension_cls="logra_jax.rollout.vllm.extension.LograWorkerExtension")
         self.masters = TorchMasters(hello["shapes"])
@@ -89,43 +91,22 @@ class Server:
                 "lengths": lengths, "finished": finished}
 
 
-def _handle(server: Server | None, op: bytes, body: memoryview) -> tuple[Server | None, dict[str, Any], dict]:
-    if op == b"H":
-        return Server(unpack(body)[0]), {}, {}
-    if server is None:
-        raise RuntimeError(f"request {op!r} before hello")
-    if op == b"S":
-        return server, server.sync(body), {}
-    if op == b"G":
-        return server, {}, server.generate(*unpack(body))
-    if op == b"P":
-        return server, {}, server.masters.probe(unpack(body)[1])
-    if op == b"F":
-        params = server.masters.params or {}
-        return server, {"version": server.masters.version}, {p: t.numpy() for p, t in params.items()}
-    raise RuntimeError(f"unknown op {op!r}")
+def _fetch(server: Server, body: memoryview) -> Reply:
+    params = server.masters.params or {}
+    return {"version": server.masters.version}, {p: t.numpy() for p, t in params.items()}
+
+
+_ANSWERS: Mapping[str, Callable[[Server, memoryview], Reply]] = {
+    "sync": lambda server, body: (server.sync(body), {}),
+    "generate": lambda server, body: ({}, server.generate(*unpack(body))),
+    "probe": lambda server, body: ({}, server.masters.probe(unpack(body)[1])),
+    "fetch": _fetch,
+}
 
 
 def serve(chan: Channel) -> None:
-    """Answer requests until shutdown, hang-up, or a frame failing its tag (refused unread; connection closed)."""
-    server = None
-    while True:
-        try:
-            op, body = chan.recv()
-        except FrameError as err:
-            print(f"vllm engine: {err}; closing the connection", file=sys.stderr, flush=True)
-            return
-        except ConnectionError:
-            return
-        if op == b"Q":
-            chan.send(b"R", pack({"ok": True}, {}))
-            return
-        try:
-            server, meta, arrays = _handle(server, op, body)
-            reply = pack({"ok": True, **meta}, arrays)
-        except Exception as err:  # reported to the trainer, which raises WorkerError
-            reply = pack({"ok": False, "error": repr(err), "traceback": traceback.format_exc()}, {})
-        chan.send(b"R", reply)
+    """The server's loop (`logra_jax.rollout.process.serve`): vLLM built by the trainer's hello, then its requests."""
+    process.serve(chan, lambda body: Server(unpack(body)[0]), _ANSWERS, label="vllm engine")
 
 
 def main(argv: list[str] | None = None) -> None:
