@@ -15,10 +15,12 @@ sample index only — not on which engine slot decodes it, nor when (logra_jax.r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,6 +91,11 @@ class Rollout(NamedTuple):
     def attention_mask(self) -> jax.Array:
         """[B·n, P + N] bool: real prompt and response tokens (the mask for a teacher-forced forward)."""
         return jnp.concatenate([self.prompt_mask, self.response_mask], axis=1)
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> Rollout:
+        """The rollout an engine process sent back (its fields as host arrays, by name)."""
+        return cls(**{name: jnp.asarray(arrays[name]) for name in cls._fields})
 
 
 def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:

@@ -258,7 +258,7 @@ class WorkerProcessTransport(EngineProcess):
         body = pack({"key_impl": impl, "sampling": sampling}, {"prompts": np.asarray(prompts, np.int32),
                                          "prompt_mask": np.asarray(prompt_mask, bool), "key": key_data})
         _, arrays = self._request("generate", body)
-        return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
+        return Rollout.from_arrays(arrays)
 
     def counts(self) -> dict[str, int]:
         """Receiver outcomes so far: applied, loaded, stale, resync."""

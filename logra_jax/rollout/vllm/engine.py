@@ -101,7 +101,7 @@ class VLLMProcess(EngineProcess):
         body = pack({"sampling": dataclasses.asdict(config), "seed": seed},
                     {"prompts": np.asarray(prompts, np.int32), "prompt_mask": np.asarray(prompt_mask, bool)})
         _, arrays = self._request("generate", body)
-        return Rollout(**{name: jnp.asarray(arrays[name]) for name in Rollout._fields})
+        return Rollout.from_arrays(arrays)
 
     def probe(self, index: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """{path: the masters' float32 values at these flat indices}."""
