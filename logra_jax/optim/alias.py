@@ -288,23 +288,16 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
         raise TypeError(f"logra: dense_updates must be a bool, got {dense_updates!r}")
     if isinstance(momentum, (int, float)) and not 0 <= momentum < 1:
         raise ValueError(f"logra: momentum must be in [0, 1) (0 = none), got {momentum!r}")
+    if kl_control is not None and not isinstance(kl_control, Mapping):
+        raise TypeError(f"logra: kl_control must be None or a mapping of scale_by_predicted_kl's keyword arguments, "
+                        f"got {kl_control!r}")
+    if non_target_tx is not None and not isinstance(non_target_tx, optax.GradientTransformation):
+        raise TypeError(f"logra: non_target_tx must be None or an optax.GradientTransformation, got {non_target_tx!r}")
     spec = build_spec("scale_by_sketch", spec, rank=rank, base_seed=base_seed, distribution=distribution,
                       refresh=refresh, refresh_every=refresh_every, rules=rules, implementation=implementation,
                       interpret=interpret,
                       round_bf16=resolve_round_bf16(round_bf16, variant) if spec is None else round_bf16)
-    if variant == "nemo":
-        if lr is None:
-            raise ValueError("logra: variant='nemo' needs a learning rate lr")
-        step_size = [("weight_decay", add_decayed_weights_lowrank(weight_decay))]
-        negation = ("learning_rate", scale_lowrank((lambda n: -lr(n)) if callable(lr) else -lr))
-    else:
-        if lr is not None:
-            raise ValueError(f"logra: lr is only used by variant='nemo', got lr={lr!r} with variant={variant!r}")
-        if isinstance(weight_decay, (int, float)) and weight_decay != 0:
-            raise ValueError(f"logra: weight_decay is only used by variant='nemo', got {weight_decay!r} with "
-                             f"variant={variant!r}")
-        step_size = [("update_ratio", scale_by_update_ratio(update_ratio, scope=ratio_scope))]
-        negation = ("negation", scale_lowrank(-1.0))
+    step_size, negation = _step_size(variant, update_ratio, ratio_scope, lr, weight_decay)
     if kl_control is not None:
         step_size.append(("predicted_kl", scale_by_predicted_kl(**kl_control)))
     target_tx = optax.named_chain(
@@ -319,21 +312,48 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
     frozen = optax.set_to_zero() if non_target_tx is None else non_target_tx
     routed = optax.partition({TARGET_LABEL: target_tx, NON_TARGET_LABEL: frozen},
                              lambda tree: target_labels(tree, spec.rules))
-    if dense_updates:
-        if spec.stochastic_round:
-            raise ValueError("logra: dense_updates=True cannot keep spec.stochastic_round: a dense ΔW is merged by "
-                             "optax.apply_updates, which rounds to nearest; use the low-rank route "
-                             "(logra_jax.optim.apply_updates)")
-        densify = densify_lowrank()
+    return _densified(routed, spec) if dense_updates else _refusing_generic_successors(routed)
 
-        def dense_update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
-            updates, state = routed.update(updates, state, params, **extra_args)
-            return densify.update(updates, optax.EmptyState(), params)[0], state
 
-        return optax.GradientTransformationExtraArgs(routed.init, dense_update)
+def _step_size(variant: str, update_ratio: float | jax.Array, ratio_scope: str, lr: float | optax.Schedule | None,
+               weight_decay: float | jax.Array) -> tuple[list[tuple[str, Any]], tuple[str, Any]]:
+    """The named stages after RowAdam ([update ratio] for paper/sgd, [weight decay] for nemo) and the final
+    negation (−1, or −lr for nemo), checking that lr and weight_decay are given only to nemo."""
+    if variant == "nemo":
+        if lr is None:
+            raise ValueError("logra: variant='nemo' needs a learning rate lr")
+        negation = ("learning_rate", scale_lowrank((lambda n: -lr(n)) if callable(lr) else -lr))
+        return [("weight_decay", add_decayed_weights_lowrank(weight_decay))], negation
+    if lr is not None:
+        raise ValueError(f"logra: lr is only used by variant='nemo', got lr={lr!r} with variant={variant!r}")
+    if isinstance(weight_decay, (int, float)) and weight_decay != 0:
+        raise ValueError(f"logra: weight_decay is only used by variant='nemo', got {weight_decay!r} with "
+                         f"variant={variant!r}")
+    return ([("update_ratio", scale_by_update_ratio(update_ratio, scope=ratio_scope))],
+            ("negation", scale_lowrank(-1.0)))
 
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+
+def _densified(routed: optax.GradientTransformation, spec: SketchSpec) -> optax.GradientTransformationExtraArgs:
+    """`routed` followed by `densify_lowrank()` in the same update (the dense_updates=True route)."""
+    if spec.stochastic_round:
+        raise ValueError("logra: dense_updates=True cannot keep spec.stochastic_round: a dense ΔW is merged by "
+                         "optax.apply_updates, which rounds to nearest; use the low-rank route "
+                         "(logra_jax.optim.apply_updates)")
+    densify = densify_lowrank()
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        updates, state = routed.update(updates, state, params, **extra_args)
+        return densify.update(updates, optax.EmptyState(), params)[0], state
+
+    return optax.GradientTransformationExtraArgs(routed.init, update)
+
+
+def _refusing_generic_successors(routed: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`routed` whose update first refuses a generic successor in an enclosing optax chain (`_check_successor`:
+    the only place that reads the interpreter's frames; see the module docstring for why nothing else can)."""
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
         _check_successor(sys._getframe(1))
         return routed.update(updates, state, params, **extra_args)
 
-    return optax.GradientTransformationExtraArgs(routed.init, update_fn)
+    return optax.GradientTransformationExtraArgs(routed.init, update)
