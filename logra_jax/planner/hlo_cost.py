@@ -515,18 +515,26 @@ class _Module:
         """
         if callee in self.fusion_memo:
             return self.fusion_memo[callee]
-        body = self.computations[callee]
-        by_name = self.by_name[callee]
-        params = {i.name: int(i.operands[0]) for i in body if i.op == "parameter" and i.operands and
-                  i.operands[0].isdigit()}
+        params = {i.name: int(i.operands[0]) for i in self.computations[callee] if i.op == "parameter" and
+                  i.operands and i.operands[0].isdigit()}
+        in_place, in_place_users = self.fusion_in_place(callee, params)
         users: dict[str, list[_Instr]] = {}
-        for i in body:
+        for i in self.computations[callee]:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
+        reads = {index: self.fusion_read(name, users, in_place_users) for name, index in params.items()}
+        self.fusion_memo[callee] = (reads, in_place)
+        return reads, in_place
+
+    def fusion_in_place(self, callee: str, params: dict[str, int]
+                        ) -> tuple[dict[int, tuple[int, float]], set[tuple[str, str]]]:
+        """The outputs of fused computation `callee` updated in place ({output index: (parameter index, update
+        bytes)}) and the (instruction, the name it reads) pairs that update them."""
+        by_name = self.by_name[callee]
         root = by_name.get(self.roots.get(callee, ""))
         outputs = root.operands if root is not None and root.op == "tuple" else [root.name] if root else []
         in_place: dict[int, tuple[int, float]] = {}
-        in_place_users: set[tuple[str, str]] = set()  # (instruction, the name it reads) that update in place
+        in_place_users: set[tuple[str, str]] = set()
         for k, out in enumerate(outputs):
             node = by_name.get(self.through_bitcasts(callee, out))
             if node is None or not node.operands:
@@ -545,6 +553,12 @@ class _Module:
                     if buffer in params:
                         in_place[k] = (params[buffer], inner[1])
                         in_place_users.add((node.name, node.operands[inner[0]]))
+        return in_place, in_place_users
+
+    def fusion_read(self, param: str, users: dict[str, list[_Instr]], in_place_users: set[tuple[str, str]]
+                    ) -> float | None:
+        """The bytes a fused computation reads of its parameter `param` (`users`: its instructions by the names
+        they read), or None when it reads it whole."""
 
         def uses(name: str) -> list[tuple[_Instr, str]]:
             """(user, the name it reads): the non-bitcast users of `name` and of its bitcasts."""
@@ -553,27 +567,22 @@ class _Module:
                 out += uses(user.name) if user.op == "bitcast" else [(user, name)]
             return out
 
-        reads: dict[int, float | None] = {}
-        for name, index in params.items():
-            total: float | None = 0.0
-            for user, via in uses(name):
-                if (user.name, via) in in_place_users and user.operands.count(via) == 1:
+        total = 0.0
+        for user, via in uses(param):
+            if (user.name, via) in in_place_users and user.operands.count(via) == 1:
+                continue
+            if user.op in _SLICES and user.operands[0] == via and user.operands.count(via) == 1:
+                total += shape_bytes(user.shape)
+                continue
+            nested = _callees(user.attrs, "calls") if user.op == "fusion" else []
+            if nested and nested[0] in self.computations:
+                part = self.fusion_summary(nested[0])[0]
+                positions = [k for k, o in enumerate(user.operands) if o == via]
+                if all(part.get(k) is not None for k in positions):
+                    total += sum(part[k] for k in positions)
                     continue
-                if user.op in _SLICES and user.operands[0] == via and user.operands.count(via) == 1:
-                    total += shape_bytes(user.shape)
-                    continue
-                nested = _callees(user.attrs, "calls") if user.op == "fusion" else []
-                if nested and nested[0] in self.computations:
-                    part = self.fusion_summary(nested[0])[0]
-                    positions = [k for k, o in enumerate(user.operands) if o == via]
-                    if all(part.get(k) is not None for k in positions):
-                        total += sum(part[k] for k in positions)
-                        continue
-                total = None
-                break
-            reads[index] = total
-        self.fusion_memo[callee] = (reads, in_place)
-        return reads, in_place
+            return None
+        return total
 
     def fusion_bytes(self, comp: str, instr: _Instr, callee: str) -> float:
         """The HBM bytes a fusion reads and writes: parameters read in part count their slices, outputs updated in
