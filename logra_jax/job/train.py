@@ -28,15 +28,29 @@ import contextlib
 import dataclasses
 import io
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from logra_jax.core.extras import requires_extra
+
+if TYPE_CHECKING:
+    import grain
+    from jax.sharding import NamedSharding
+
+    from logra_jax.job.builders import Tasks
+    from logra_jax.job.optimizer_plan import OptimizerPlan
+    from logra_jax.job.train_step import TrainState
+    from logra_jax.models.decoder import Decoder
+    from logra_jax.models.tokenizer import Tokenizer
+    from logra_jax.rl.advantages import AdvantageEstimator
+    from logra_jax.rl.rewards import RewardStats
+    from logra_jax.rl.tasks import Problem
+    from logra_jax.rollout.sampling import Rollout
 
 with requires_extra("rl", "logra_jax.job.train"):
     from flax import nnx
@@ -84,13 +98,14 @@ GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl
 # A step the KL controller refuses (non-finite or negative q) changes nothing and is counted; this many in a row
 # stop the run, naming the step.
 MAX_CONSECUTIVE_REFUSALS = 3
+_Closable = TypeVar("_Closable")  # anything with a close() method
 
 
 class KLRefusalError(RuntimeError):
     """The predicted-KL controller refused MAX_CONSECUTIVE_REFUSALS updates in a row (the message names the step)."""
 
 
-def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
+def _rl_batch(rollout: Rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
     return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
             "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
             "rollout_logprobs": rollout.logprobs, "finished": rollout.finished}
@@ -99,7 +114,7 @@ def _rl_batch(rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
 EXAMPLES_SHOWN = 3  # held-out problems whose greedy responses the log shows before and after RL
 
 
-def _probe_batch(rollout, rows: np.ndarray, step: int) -> dict[str, jax.Array]:
+def _probe_batch(rollout: Rollout, rows: np.ndarray, step: int) -> dict[str, jax.Array]:
     """The probe responses `rows` (see rl.objective.probe_rows); kl_mask marks the positions whose logits
     generated a response token. A probe without such a position is an error naming the step (the controller
     would otherwise take an unmeasured full step)."""
@@ -192,12 +207,29 @@ def _log_finished(log: metrics_lib.Logger, workdir: Path, summary: dict[str, Any
         f"(to train again, remove {workdir} or pass another --workdir; to train longer, raise train.steps)")
 
 
-def _resume_plan(run: RunConfig, workdir: Path, ckpt: CheckpointManager, log: metrics_lib.Logger
-                 ) -> tuple[list[int], dict[str, Any] | None]:
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What the phases of one run share: its config and directory, the log, the stop requests, the reward
+    function, the checkpoints, the stack that closes what the run opened, and the metrics writer (a NullWriter
+    until `_run` has opened the real one, after the start phase)."""
+
+    run: RunConfig
+    workdir: Path
+    log: metrics_lib.Logger
+    stop: StopRequests
+    reward_fn: RewardFn | None
+    ckpt: CheckpointManager
+    opened: contextlib.ExitStack
+    writer: metrics_lib.MetricsWriter | metrics_lib.NullWriter = dataclasses.field(
+        default_factory=metrics_lib.NullWriter)
+
+
+def _resume_plan(ctx: _Context) -> tuple[list[int], dict[str, Any] | None]:
     """Which checkpoints to try (newest first) and, for a finished run, its summary (then nothing is to be done).
 
     Also checks the saved config against this one and records this start (config.json, config_history.jsonl).
     """
+    run, workdir, ckpt, log = ctx.run, ctx.workdir, ctx.ckpt, ctx.log
     steps = ckpt.all_steps()
     summary_path = workdir / "summary.json"
     summary = read_json(summary_path, "run summary") if summary_path.exists() else None
@@ -243,7 +275,7 @@ def _train_and_evaluate(run: RunConfig, workdir: Path, log: metrics_lib.Logger, 
                              save_every=run.train.checkpoint_every or run.train.steps + 1)
     with contextlib.ExitStack() as opened:  # closed in reverse order; quietly when an error is on its way out
         _closes(opened, ckpt)
-        return _run(run, workdir, log, stop, reward_fn, ckpt, opened)
+        return _run(_Context(run, workdir, log, stop, reward_fn, ckpt, opened))
 
 
 @dataclasses.dataclass
@@ -252,17 +284,18 @@ class _Start:
     weights), its tokenizer, the tasks and the prompt encoding."""
 
     mesh: jax.sharding.Mesh
-    model: Any
-    tokenizer: Any
-    tasks: Any
+    model: Decoder | None  # None once the trainer phase holds its weights
+    tokenizer: Tokenizer
+    tasks: Tasks
     fmt: PromptFormat
     prompt_len: int
 
 
-def _start(run: RunConfig, workdir: Path, log: metrics_lib.Logger, resume_step: int | None) -> _Start:
+def _start(ctx: _Context, resume_step: int | None) -> _Start:
     """Phase "start": the mesh over every device the config names (`phases.job_mesh`), and the model created or
     read straight into its shards (`builders.build_model`). A resumed run reads the starting weights only when the
     KL penalty's reference (the SFT weights) needs them; otherwise its weights come from its checkpoint."""
+    run, log = ctx.run, ctx.log
     mesh = job_mesh(run.train)
     weights = resume_step is None or run.algorithm.kl_beta > 0
     stats = LoadStats()
@@ -273,15 +306,14 @@ def _start(run: RunConfig, workdir: Path, log: metrics_lib.Logger, resume_step: 
             everywhere=True)
     fmt = PromptFormat(run.task.prompt_style)
     with multihost.primary_first("prepare the task data"):  # process 0 writes the tfds files, the others read
-        tasks = build_tasks(run.task, run.sft, workdir / "data")
+        tasks = build_tasks(run.task, run.sft, ctx.workdir / "data")
     prompt_len = max_prompt_length([*tasks.train_problems, *tasks.eval_problems, *tasks.sft_problems],
                                    tokenizer, fmt)
     check_optimizer_fits(run.optimizer, model)
     return _Start(mesh, model, tokenizer, tasks, fmt, prompt_len)
 
 
-def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: StopRequests,
-                resume_step: int | None) -> dict[str, Any] | None:
+def _warm_start(ctx: _Context, job: _Start, resume_step: int | None) -> dict[str, Any] | None:
     """Phase "warm start": the SFT steps on the mesh (weights, AdamW moments and batch rows in their shards),
     or its cached weights. A resumed run repeats it (deterministic) only for the KL penalty's reference.
 
@@ -292,6 +324,7 @@ def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: Stop
     Raises:
       sft.WarmStartError: its final loss is above config.sft.max_final_loss (names the seed and the loss).
     """
+    run, log, stop = ctx.run, ctx.log, ctx.stop
     if not run.sft.steps or (resume_step is not None and run.algorithm.kl_beta <= 0):
         return None
     again = "" if resume_step is None else " again, for the KL penalty's reference policy"
@@ -323,30 +356,29 @@ def _warm_start(run: RunConfig, job: _Start, log: metrics_lib.Logger, stop: Stop
     return record
 
 
-def _run(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests, reward_fn: RewardFn | None,
-         ckpt: CheckpointManager, opened: contextlib.ExitStack) -> dict[str, Any]:
+def _run(ctx: _Context) -> dict[str, Any]:
     """The job's phases in order (`python -m logra_jax.plan` measures the same ones): start, warm start, trainer
     (init or restore, rollout engine, evaluation), the RL loop, finish."""
     wall_start = time.perf_counter()
-    candidates, finished = _resume_plan(run, workdir, ckpt, log)
+    candidates, finished = _resume_plan(ctx)
     multihost.barrier("resume plan")  # every process has read the saved config before process 0 rewrote it
     if finished is not None:
         return finished
     resume_step = candidates[0] if candidates else None
-    job = _start(run, workdir, log, resume_step)
-    log(metrics_lib.describe_device_balance("start"))
-    writer = metrics_lib.MetricsWriter(workdir) if multihost.is_primary() else metrics_lib.NullWriter()
-    _closes(opened, writer)
+    job = _start(ctx, resume_step)
+    ctx.log(metrics_lib.describe_device_balance("start"))
+    writer = metrics_lib.MetricsWriter(ctx.workdir) if multihost.is_primary() else metrics_lib.NullWriter()
+    ctx = dataclasses.replace(ctx, writer=_closes(ctx.opened, writer))
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
-    sft = _warm_start(run, job, log, stop, resume_step)
+    sft = _warm_start(ctx, job, resume_step)
     if sft is not None:
-        log(metrics_lib.describe_device_balance("the warm start"))
-    t = _trainer(run, job, ckpt, candidates, workdir, log, writer, opened)
+        ctx.log(metrics_lib.describe_device_balance("the warm start"))
+    t = _trainer(ctx, job, candidates)
     if sft is not None:  # a resumed run that repeated it; otherwise the checkpoint's record stands
         t.warm_start = sft
-    _rl_loop(run, job, t, log, stop, reward_fn, ckpt, writer, opened)
-    return _finish(run, workdir, t, log, writer, opened, wall_start)
+    _rl_loop(ctx, t)
+    return _finish(ctx, t, wall_start)
 
 
 @dataclasses.dataclass
@@ -356,17 +388,17 @@ class _LoopState:
     rollout engine and its policy sync, and the held-out evaluation."""
 
     job: _Start
-    state: Any
-    rest: Any
-    estimator: Any
-    est_state: Any
-    plan: Any
-    step_fn: Any
-    batch_sh: Any
-    probe_sh: Any
+    state: TrainState
+    rest: nnx.State
+    estimator: AdvantageEstimator
+    est_state: Any  # the estimator's own pytree: () for the group estimators, a BaselineState for REINFORCE
+    plan: OptimizerPlan
+    step_fn: Callable[..., tuple[TrainState, dict[str, jax.Array], Any]]  # `RLStep.fn`
+    batch_sh: dict[str, NamedSharding]
+    probe_sh: dict[str, NamedSharding] | None
     mine: _ProcessRows
-    data_iter: Any
-    ref_logprobs: Any
+    data_iter: grain.DatasetIterator
+    ref_logprobs: Callable[[Mapping[str, jax.Array]], jax.Array] | None
     engine: RolloutEngine
     greedy: SamplingConfig
     start: int
@@ -379,7 +411,7 @@ class _LoopState:
         job, rows = self.job, run.rollout.prompts_per_step * run.rollout.num_samples
         rows_sh = batch_shardings(jax.ShapeDtypeStruct((rows, job.prompt_len), jnp.int32), job.mesh)
 
-        def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Any:
+        def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Rollout:
             prompts, mask = to_global((prompts, mask), (rows_sh, rows_sh))
             out = self.engine.generate(prompts, mask, key, config=self.greedy)
             return jax.device_put(out, replicated(job.mesh)) if jax.process_count() > 1 else out
@@ -391,85 +423,123 @@ class _LoopState:
         return accuracy
 
 
-def _trainer(run: RunConfig, job: _Start, ckpt: CheckpointManager, candidates: list[int], workdir: Path,
-             log: metrics_lib.Logger, writer: Any, opened: contextlib.ExitStack) -> _LoopState:
+class _Restored(NamedTuple):
+    """A checkpoint read back (`_restore`): its step, the data iterators' state and the record saved with it."""
+
+    step: int
+    data_state: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def _trainer(ctx: _Context, job: _Start, candidates: list[int]) -> _LoopState:
     """Phase "trainer": the optimizer state created in its shards from the (donated) weights, or a checkpoint
     restored into abstract shapes (nothing materialised first); the KL reference (a copy of the starting weights
     on the mesh); the rollout engine (the colocated one keeps its weights in the trainer's shardings) fed by
     low-rank policy sync; the held-out accuracy before RL."""
-    mesh, prompt_len = job.mesh, job.prompt_len
+    run, mesh = ctx.run, job.mesh
     trainer = Trainer.build(run, job.model, mesh)
     estimator = advantage_estimator(run.algorithm.estimator, group_size=run.rollout.num_samples,
                                     **run.algorithm.estimator_options())
-    est_state = to_global(estimator.init(), replicated(mesh))
-    ref_params = None
-    if run.algorithm.kl_beta > 0:
-        # The reference policy: the weights RL starts from (after any SFT), on the mesh, stored as the trainer
-        # stores its own (optimizer.weight_dtype): the policy at step 0, bit for bit, at the policy's bytes.
-        ref_params = jax.tree.map(lambda w, a: w.astype(a.dtype) if w.dtype != a.dtype else jnp.copy(w),
-                                  nnx.state(job.model, nnx.Param), trainer.abstract_state.params)
-    resume_step = candidates[0] if candidates else None
-    if resume_step is None:
+    ref_params = _reference_params(run, job.model, trainer)  # before the init takes the weights
+    state, rest, est_state, restored = _init_or_restore(ctx, trainer, job, candidates,
+                                                        to_global(estimator.init(), replicated(mesh)))
+    job.model = None  # its weights are the state's now (donated), or were never read
+    ctx.log(metrics_lib.describe_device_balance("the optimizer's init" if restored is None else "the restore"))
+    rl_step = trainer.rl_step(run, mesh, job.prompt_len)
+    # Each process reads, samples and scores only the prompts of its own rows of every global batch.
+    mine = _ProcessRows(run, mesh, job.prompt_len)
+    data_iter = iter(job.tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
+    ref_logprobs = None if ref_params is None else _reference_logprobs(run, trainer, job, ref_params, rest)
+    engine = _closes(ctx.opened, _rollout_engine(ctx, trainer, job, state, rest))
+    greedy = run.rollout.sampling(job.tokenizer.eos_id, job.tokenizer.pad_id, greedy=True)
+    t = _LoopState(job=job, state=state, rest=rest, estimator=estimator, est_state=est_state, plan=trainer.plan,
+                   step_fn=rl_step.fn, batch_sh=batch_shardings(rl_step.batch, mesh),
+                   probe_sh=None if rl_step.probe is None else batch_shardings(rl_step.probe, mesh), mine=mine,
+                   data_iter=data_iter, ref_logprobs=ref_logprobs, engine=engine, greedy=greedy,
+                   start=0 if restored is None else restored.step)
+    _resume_or_evaluate(ctx, t, restored)
+    return t
+
+
+def _reference_params(run: RunConfig, model: Decoder, trainer: Trainer) -> nnx.State | None:
+    """The KL penalty's reference policy (None without the penalty): the weights RL starts from (after any SFT),
+    on the mesh, stored as the trainer stores its own (optimizer.weight_dtype): the policy at step 0, bit for bit,
+    at the policy's bytes."""
+    if run.algorithm.kl_beta <= 0:
+        return None
+    return jax.tree.map(lambda w, a: w.astype(a.dtype) if w.dtype != a.dtype else jnp.copy(w),
+                        nnx.state(model, nnx.Param), trainer.abstract_state.params)
+
+
+def _init_or_restore(ctx: _Context, trainer: Trainer, job: _Start, candidates: list[int], est_state: Any
+                     ) -> tuple[TrainState, nnx.State, Any, _Restored | None]:
+    """(state, rest, estimator state, what was restored): created in their shards from the model's (donated)
+    weights when there is no checkpoint to resume, else the first readable of `candidates` restored into
+    abstract shapes (nothing materialised first), beside the sketch probes and digests made afresh."""
+    if not candidates:
         _, params, rest = nnx.split(job.model, nnx.Param, ...)
         state, rest = trainer.init(params, rest)
-        del params
-    else:
-        rest = trainer.rest_only()
-        abstract = (abstract_sharded(trainer.abstract_state, trainer.state_sh),
-                    abstract_sharded(est_state, jax.tree.map(lambda _: replicated(mesh), est_state)))
-        (state, est_state), data_state, extra, resume_step = _restore(ckpt, candidates, abstract, workdir, log)
-    job.model = None  # its weights are the state's now (donated), or were never read
-    log(metrics_lib.describe_device_balance("the optimizer's init" if resume_step is None else "the restore"))
-    step_fn, batch_shapes, probe_shapes = trainer.rl_step(run, mesh, prompt_len)
-    # Each process reads, samples and scores only the prompts of its own rows of every global batch.
-    mine = _ProcessRows(run, mesh, prompt_len)
-    data_iter = iter(job.tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
-    ref_logprobs = None
-    if ref_params is not None:
-        ref_fn = reference_logprobs(trainer, run, mesh, prompt_len)
-        ref_logprobs = lambda b: ref_fn(ref_params, rest, {k: b[k] for k in ("tokens", "attention_mask")})
-    tokenizer = job.tokenizer
+        return state, rest, est_state, None
+    rest = trainer.rest_only()
+    abstract = (abstract_sharded(trainer.abstract_state, trainer.state_sh),
+                abstract_sharded(est_state, jax.tree.map(lambda _: replicated(job.mesh), est_state)))
+    (state, est_state), restored = _restore(ctx, candidates, abstract)
+    return state, rest, est_state, restored
+
+
+def _reference_logprobs(run: RunConfig, trainer: Trainer, job: _Start, ref_params: nnx.State, rest: nnx.State
+                        ) -> Callable[[Mapping[str, jax.Array]], jax.Array]:
+    """batch -> the responses' per-token log-probs under the reference policy `ref_params` (jitted, sharded like
+    the trainer's weights and the batch rows)."""
+    fn = reference_logprobs(trainer, run, job.mesh, job.prompt_len)
+    return lambda batch: fn(ref_params, rest, {k: batch[k] for k in ("tokens", "attention_mask")})
+
+
+def _rollout_engine(ctx: _Context, trainer: Trainer, job: _Start, state: TrainState, rest: nnx.State
+                    ) -> RolloutEngine:
+    """The configured rollout engine on the trainer's weights, which low-rank policy sync then keeps current."""
+    run, tokenizer = ctx.run, job.tokenizer
     vllm = {}
     if run.rollout.engine == "vllm":  # vLLM builds its model from a Hugging Face folder; weights then come by sync
-        folder = export(trainer.model(state.params, rest), None, workdir / "vllm_model", overwrite=True)
+        folder = export(trainer.model(state.params, rest), None, ctx.workdir / "vllm_model", overwrite=True)
         vllm = {"vllm": run.rollout.vllm_settings(), "model_dir": str(folder)}
-    engine = rollout_engine(run.rollout.workers, trainer.model().config,
-                            run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), mesh, state.params, rest,
-                            version=int(state.step), trained=trainer.plan.dense_paths(state.params),
-                            decode_tensor=run.rollout.decode_tensor, per_layer=run.rollout.per_layer, **vllm)
-    _closes(opened, engine)
-    greedy = run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id, greedy=True)
-    t = _LoopState(job, state, rest, estimator, est_state, trainer.plan, step_fn,
-                 batch_shardings(batch_shapes, mesh),
-                 None if probe_shapes is None else batch_shardings(probe_shapes, mesh), mine, data_iter,
-                 ref_logprobs, engine, greedy, start=resume_step or 0)
-    if resume_step is not None:
-        data_iter.set_state(data_state)
-        writer.truncate_after(resume_step)
-        t.accuracy_before = extra["accuracy_before"]
-        t.warm_start = extra.get("sft")  # absent from checkpoints written before the record was kept
-        log(f"resumed from checkpoint step {resume_step}")
-    else:
-        t.accuracy_before = t.evaluate(run, log, show="before RL")
-        log(f"held-out accuracy before RL: {t.accuracy_before:.3f} ({len(job.tasks.eval_problems)} problems)")
-        writer.write(0, {"eval_accuracy": t.accuracy_before})
-    return t
+    return rollout_engine(run.rollout.workers, trainer.model().config,
+                          run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), job.mesh, state.params, rest,
+                          version=int(state.step), trained=trainer.plan.dense_paths(state.params),
+                          decode_tensor=run.rollout.decode_tensor, per_layer=run.rollout.per_layer, **vllm)
+
+
+def _resume_or_evaluate(ctx: _Context, t: _LoopState, restored: _Restored | None) -> None:
+    """A resumed run takes back its data iterator's place, its metrics up to the checkpoint, its accuracy before
+    RL and its warm-start record; a new run measures the held-out accuracy before RL (logged, and written as the
+    metrics of step 0)."""
+    if restored is not None:
+        t.data_iter.set_state(restored.data_state)
+        ctx.writer.truncate_after(restored.step)
+        t.accuracy_before = restored.extra["accuracy_before"]
+        t.warm_start = restored.extra.get("sft")  # absent from checkpoints written before the record was kept
+        ctx.log(f"resumed from checkpoint step {restored.step}")
+        return
+    t.accuracy_before = t.evaluate(ctx.run, ctx.log, show="before RL")
+    ctx.log(f"held-out accuracy before RL: {t.accuracy_before:.3f} ({len(t.job.tasks.eval_problems)} problems)")
+    ctx.writer.write(0, {"eval_accuracy": t.accuracy_before})
 
 
 class _Scored(NamedTuple):
     """One step's rollout, scored: the rollout (rows over the batch axes), this process's rewards and the reward
     failures, and the advantages."""
 
-    rollout: Any
+    rollout: Rollout
     local_rewards: np.ndarray
-    reward_stats: Any
+    reward_stats: RewardStats
     advantages: jax.Array
 
 
-def _rollout_and_score(run: RunConfig, job: _Start, t: _LoopState, step: int, base_key: jax.Array,
-                       reward_cfg: RewardConfig, reward_fn: RewardFn | None) -> _Scored:
+def _rollout_and_score(ctx: _Context, t: _LoopState, step: int, base_key: jax.Array,
+                       reward_cfg: RewardConfig) -> _Scored:
     """The step's prompts (this process's), the engine's rollout, the rewards (each process decodes and scores its
     own rows) and the advantages (estimator state advanced)."""
+    run, job = ctx.run, t.job
     n = run.rollout.num_samples
     problems = next(t.data_iter)  # this process's prompts (all of them in a single-process run)
     prompts, mask = encode_prompts(problems, job.tokenizer, job.fmt, job.prompt_len)
@@ -480,7 +550,7 @@ def _rollout_and_score(run: RunConfig, job: _Start, t: _LoopState, step: int, ba
                              job.prompt_len)
     local_rewards, reward_stats = score_responses([job.fmt.scoring_text(x) for x in texts],
                                                   t.mine.row_problems(problems), config=reward_cfg,
-                                                  reward_fn=reward_fn)
+                                                  reward_fn=ctx.reward_fn)
     rewards = global_rows(np.asarray(local_rewards, np.float32), rollout.lengths.sharding,
                           (run.rollout.prompts_per_step * n,))
     lengths = {"lengths": rollout.lengths} if run.algorithm.whiten == "token" else {}
@@ -544,11 +614,11 @@ def _guard(out: dict[str, float], step: int, refusals: int, log: metrics_lib.Log
     return refusals
 
 
-def _checkpoint_or_stop(run: RunConfig, t: _LoopState, step: int, stop: StopRequests,
-                        ckpt: CheckpointManager) -> None:
+def _checkpoint_or_stop(ctx: _Context, t: _LoopState, step: int) -> None:
     """Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice; the
     final step and a stop request (SIGTERM / SIGINT, on any process: every process stops at this step) always
     save when checkpoints are on, and a stop request then raises RunPreempted."""
+    run, stop, ckpt = ctx.run, ctx.stop, ctx.ckpt
     last = step + 1 == run.train.steps
     signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
     must = signum is not None or (last and run.train.checkpoint_every > 0)
@@ -561,22 +631,22 @@ def _checkpoint_or_stop(run: RunConfig, t: _LoopState, step: int, stop: StopRequ
         raise RunPreempted(signum, step + 1)
 
 
-def _rl_loop(run: RunConfig, job: _Start, t: _LoopState, log: metrics_lib.Logger, stop: StopRequests,
-             reward_fn: RewardFn | None, ckpt: CheckpointManager, writer: Any, opened: contextlib.ExitStack) -> None:
+def _rl_loop(ctx: _Context, t: _LoopState) -> None:
     """Phase "RL loop": per step, rollout → rewards → advantages → the jitted train step (KL probe) → policy
     sync → metrics (stop on a non-finite one) → periodic evaluation and checkpoint; a stop request checkpoints
     and raises RunPreempted."""
+    run, log = ctx.run, ctx.log
     base_key = jax.random.key(run.train.seed)
     start = t.start  # loop steps; state.step counts applied updates (a refused step applies none)
     progress = metrics_lib.Progress(run.train.steps, initial=start, desc="RL",
                                     **({} if multihost.is_primary() else {"stream": io.StringIO(), "tty": False}))
-    _closes(opened, progress)
+    _closes(ctx.opened, progress)
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
     refusals = 0
     for step in range(start, run.train.steps):
         t0 = time.perf_counter()
-        scored = _rollout_and_score(run, job, t, step, base_key, reward_cfg, reward_fn)
+        scored = _rollout_and_score(ctx, t, step, base_key, reward_cfg)
         t_rollout = time.perf_counter() - t0
         out = _train_and_publish(run, t, scored, step)
         out.update(_rollout_metrics(run, t, scored, reward_cfg), rollout_time=t_rollout,
@@ -585,22 +655,21 @@ def _rl_loop(run: RunConfig, job: _Start, t: _LoopState, log: metrics_lib.Logger
         if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
             out["eval_accuracy"] = t.evaluate(run, log)
         if (step + 1) % run.train.log_every == 0 or step + 1 == run.train.steps:
-            writer.write(step + 1, out)
+            ctx.writer.write(step + 1, out)
         progress.update(step + 1, out)
         if step == start:
             log(metrics_lib.describe_device_balance("the first RL step"))
-        _checkpoint_or_stop(run, t, step, stop, ckpt)
+        _checkpoint_or_stop(ctx, t, step)
 
 
-def _finish(run: RunConfig, workdir: Path, t: _LoopState, log: metrics_lib.Logger, writer: Any,
-            opened: contextlib.ExitStack,
-            wall_start: float) -> dict[str, Any]:
+def _finish(ctx: _Context, t: _LoopState, wall_start: float) -> dict[str, Any]:
     """Phase "finish": the held-out accuracy after RL, the last checkpoint and metrics closed, summary.json and
     the reward-curve PNG (process 0)."""
+    run, workdir, log = ctx.run, ctx.workdir, ctx.log
     accuracy_before, accuracy_after = t.accuracy_before, t.evaluate(run, log, show="after RL")
     steps_done = run.train.steps
-    writer.write(steps_done, {"eval_accuracy": accuracy_after})
-    opened.close()  # the final checkpoint written, the metrics file complete
+    ctx.writer.write(steps_done, {"eval_accuracy": accuracy_after})
+    ctx.opened.close()  # the final checkpoint written, the metrics file complete
     summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "steps": steps_done,
                "seconds": time.perf_counter() - wall_start, "prompt_length": t.job.prompt_len, "sft": t.warm_start}
     if multihost.is_primary():
@@ -654,19 +723,20 @@ class _ProcessRows:
         """The [prompts_per_step, P] global array of which `local` are this process's rows."""
         return global_rows(local, self.prompt_sh, self.prompt_shape)
 
-    def row_problems(self, problems: list[Any]) -> list[Any]:
+    def row_problems(self, problems: list[Problem]) -> list[Problem]:
         """The problem of each rollout row this process holds (`problems`: its prompts' problems)."""
         return [problems[row // self.n - self.prompts[0]] for row in range(*self.rollout)]
 
 
-def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, workdir: Path,
-             log: metrics_lib.Logger) -> tuple[Any, dict[str, Any], dict[str, Any], int]:
-    """Restore the first readable checkpoint of `candidates` (newest first); checkpoints newer than it are moved
-    to workdir/checkpoints_set_aside (kept) so that the resumed run can write those steps again.
+def _restore(ctx: _Context, candidates: list[int], abstract: Any) -> tuple[Any, _Restored]:
+    """Restore the first readable checkpoint of `candidates` (newest first) into `abstract`: (its tree, the rest
+    of what it holds). Checkpoints newer than it are moved to workdir/checkpoints_set_aside (kept) so that the
+    resumed run can write those steps again.
 
     Raises:
       CheckpointError: the (last) candidate is unreadable; the message says which config fields pick another.
     """
+    ckpt, workdir, log = ctx.ckpt, ctx.workdir, ctx.log
     for i, step in enumerate(candidates):
         e: CheckpointError | None = None
         try:
@@ -689,11 +759,11 @@ def _restore(ckpt: CheckpointManager, candidates: list[int], abstract: Any, work
         for newer in [s for s in ckpt.all_steps() if s > step]:
             moved = ckpt.set_aside(newer, workdir / "checkpoints_set_aside")
             log(f"resuming from checkpoint {step}: the newer checkpoint {newer} was moved to {moved}")
-        return tree, data_state, extra, step
+        return tree, _Restored(step, data_state, extra)
     raise AssertionError("unreachable: no candidate checkpoints")
 
 
-def _closes(stack: contextlib.ExitStack, resource: Any) -> Any:
+def _closes(stack: contextlib.ExitStack, resource: _Closable) -> _Closable:
     """Close `resource` when `stack` unwinds: normally on success, quietly while an error is on its way out (a
     second error, e.g. the failed save again, must not replace the first)."""
     def close(exc_type: Any, *_: Any) -> bool:
