@@ -201,9 +201,9 @@ def test_bad_hyperparameters_raise_naming_the_argument():
         logra(lr=0.1)
     with pytest.raises(ValueError, match="weight_decay"):
         logra(weight_decay=0.1)
-    with pytest.raises(TypeError, match="kl_control must be None or a mapping.*got 0.001"):
+    with pytest.raises(TypeError, match=r"kl_control must be None or a mapping.*got 0\.001"):
         logra(kl_control=1e-3)
-    with pytest.raises(TypeError, match="non_target_tx must be None or an optax.GradientTransformation"):
+    with pytest.raises(TypeError, match=r"non_target_tx must be None or an optax\.GradientTransformation"):
         logra(non_target_tx="adamw")
     with pytest.raises(ValueError, match="update_ratio needs params"):
         tx = optax.chain(scale_by_sketch(RANK), scale_by_update_ratio())
