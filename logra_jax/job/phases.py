@@ -13,7 +13,7 @@ abstract inputs: what the plan measures is what the job runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -96,18 +96,18 @@ class Trainer:
     plan: OptimizerPlan
     graphdef: nnx.GraphDef
     abstract_state: TrainState
-    abstract_rest: Any
+    abstract_rest: nnx.State
     state_sh: TrainState
-    rest_sh: Any
-    init: Callable[[Any, Any], tuple[TrainState, Any]]
-    rest_only: Callable[[], Any]
+    rest_sh: nnx.State
+    init: Callable[[nnx.State, nnx.State], tuple[TrainState, nnx.State]]
+    rest_only: Callable[[], nnx.State]
 
     @classmethod
     def build(cls, run: RunConfig, model: nnx.Module, mesh: Mesh) -> Trainer:
         model_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         built: dict[str, Any] = {}
 
-        def init(params: Any, rest: Any) -> tuple[TrainState, Any]:
+        def init(params: nnx.State, rest: nnx.State) -> tuple[TrainState, nnx.State]:
             built["plan"], built["graphdef"], state, r = init_train_state(
                 run.optimizer, nnx.merge(model_graphdef, params, rest), temperature=run.rollout.temperature)
             return state, r
@@ -123,7 +123,7 @@ class Trainer:
                    rest_only=jax.jit(lambda: init(zeros(abstract(params)), zeros(abstract(rest)))[1],
                                      out_shardings=rest_sh))
 
-    def model(self, params: Any = None, rest: Any = None) -> nnx.Module:
+    def model(self, params: nnx.State | None = None, rest: nnx.State | None = None) -> nnx.Module:
         """The model with the optimizer's hooks: on `params` / `rest`, or abstract (for a Sampler's graph)."""
         return nnx.merge(self.graphdef, self.abstract_state.params if params is None else params,
                          self.abstract_rest if rest is None else rest)
@@ -147,7 +147,8 @@ class Trainer:
         return RLStep(step_fn, batch, probe)
 
 
-def reference_logprobs(trainer: Trainer, run: RunConfig, mesh: Mesh, prompt_len: int) -> Callable[..., Any]:
+def reference_logprobs(trainer: Trainer, run: RunConfig, mesh: Mesh, prompt_len: int
+                       ) -> Callable[[nnx.State, nnx.State, Mapping[str, jax.Array]], jax.Array]:
     """jitted (reference params, rest, batch) -> per-token log-probs of the responses under the reference policy
     (the KL penalty's), sharded like the trainer's weights and the batch rows."""
     batch = rl_batch_shapes(run.rollout.prompts_per_step * run.rollout.num_samples, prompt_len,
