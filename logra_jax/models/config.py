@@ -1,4 +1,5 @@
-"""Decoder configurations: one frozen dataclass for Llama, Qwen2, SmolLM2, Qwen3 and Gemma 3 (text), plus presets.
+"""Decoder configurations: one frozen dataclass for Llama, Qwen2, SmolLM2, Qwen3, Gemma 3 (text) and the
+mixture-of-experts Qwen3-MoE and Mixtral, plus presets.
 
 Every field is validated when the config is built; a bad value raises ValueError naming the field and value.
 """
@@ -11,10 +12,12 @@ from typing import Any, Literal
 RopeScaling = Literal["linear", "llama3"]
 Remat = Literal["none", "full", "save_dots", "save_sketch"]
 AttentionImpl = Literal["dense", "chunked"]
-Architecture = Literal["llama", "qwen2", "qwen3", "gemma3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
 Activation = Literal["silu", "gelu_tanh"]
 
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+# The mixture-of-experts families (every layer's MLP is `logra_jax.models.moe.MoE`); the others are dense.
+MOE_ARCHITECTURES: tuple[str, ...] = ("qwen3_moe", "mixtral")
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -29,6 +32,8 @@ FAMILY_FEATURES: dict[str, dict[str, Any]] = {
     "qwen3": {**_FEATURE_DEFAULTS, "qk_norm": True},
     "gemma3": {**_FEATURE_DEFAULTS, "qk_norm": True, "norm_offset": 1.0, "post_norms": True,
                "mlp_activation": "gelu_tanh", "scale_embeddings": True},
+    "qwen3_moe": {**_FEATURE_DEFAULTS, "qk_norm": True},
+    "mixtral": {**_FEATURE_DEFAULTS, "norm_topk_prob": True},
 }
 
 
@@ -42,7 +47,8 @@ class ModelConfig:
     embeddings scaled by √hidden, scores scaled by `query_pre_attn_scalar`^-½, sliding-window layers).
 
     Attributes:
-      architecture: "llama", "qwen2", "qwen3" or "gemma3"; informs checkpoint export.
+      architecture: "llama", "qwen2", "qwen3", "gemma3", "qwen3_moe" (Qwen3 with MoE MLPs) or "mixtral" (Llama
+        with MoE MLPs); informs checkpoint export.
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: shapes.
       rope_theta: RoPE base frequency (of the global layers when some layers slide).
       rope_interleaved: False = rotate-half (HF convention), True = interleaved pairs (GGUF/Meta convention).
@@ -72,6 +78,13 @@ class ModelConfig:
         LoGRA projections X Aᵀ of sketch-native targets).
       attention_impl: "dense" materialises [T, T] scores; "chunked" runs an online softmax over key chunks.
       attention_chunk: key-chunk length of the chunked attention.
+      num_experts: experts per MoE layer (`logra_jax.models.moe`); 0 = a dense model. MoE architectures
+        ("qwen3_moe", "mixtral") make every layer's MLP an MoE (the stacked layer scan holds one kind of layer;
+        interleaved dense layers are not supported).
+      experts_per_token: k, the experts each token is routed to (0 in a dense model).
+      expert_intermediate_size: each expert's hidden width F_e (0 in a dense model; Mixtral's equals
+        intermediate_size).
+      norm_topk_prob: the k routing weights are renormalised to sum to 1 (Qwen3-MoE's flag; always for Mixtral).
       decode_unroll: one module per layer (parameters blocks.{i}.<path>, `decoder.layer_source`) and a per-layer
         KV cache (`Decoder.init_cache`: one buffer per layer), the layers unrolled instead of scanned over stacks
         (the rollout engine sets it for GPUs: XLA:GPU then reads each layer's weights and KV cache in place, where
@@ -112,6 +125,10 @@ class ModelConfig:
     attention_impl: AttentionImpl = "dense"
     attention_chunk: int = 512
     decode_unroll: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -167,6 +184,33 @@ class ModelConfig:
         if self.attention_impl not in ("dense", "chunked"):
             raise ValueError(
                 f"ModelConfig.attention_impl must be 'dense' or 'chunked', got {self.attention_impl!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """MoE fields: positive (1 <= k <= E) in an MoE architecture, zero in a dense one."""
+        names = ("num_experts", "experts_per_token", "expert_intermediate_size")
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name} must be a non-negative integer, got {value!r}")
+        if self.architecture in MOE_ARCHITECTURES:
+            for name in names:
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"ModelConfig.{name} must be > 0 for architecture={self.architecture!r}, "
+                                     f"got {getattr(self, name)}")
+            if self.experts_per_token > self.num_experts:
+                raise ValueError(f"ModelConfig.experts_per_token ({self.experts_per_token}) exceeds num_experts "
+                                 f"({self.num_experts})")
+        else:
+            for name in (*names, "norm_topk_prob"):
+                if getattr(self, name):
+                    raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} needs an MoE architecture "
+                                     f"{MOE_ARCHITECTURES}, got architecture={self.architecture!r}")
+
+    @property
+    def moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -197,7 +241,8 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        block = attn + 3 * d * f + (4 if self.post_norms else 2) * d
+        mlp = (self.num_experts * (d + 3 * d * self.expert_intermediate_size) if self.moe else 3 * d * f)
+        block = attn + mlp + (4 if self.post_norms else 2) * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + L * block + d + head
 
@@ -233,6 +278,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-gemma3": ModelConfig(architecture="gemma3", rope_theta=1_000_000.0, query_pre_attn_scalar=24.0,
                                sliding_window=8, sliding_window_pattern=2, rope_local_theta=10_000.0,
                                **FAMILY_FEATURES["gemma3"]),
+    # The tiny size as a Qwen3-MoE (unit tests and the CPU demo): 4 experts of width 32, top-2, renormalised.
+    "tiny-qwen3-moe": ModelConfig(architecture="qwen3_moe", head_dim=32, rope_theta=1_000_000.0, num_experts=4,
+                                  experts_per_token=2, expert_intermediate_size=32, norm_topk_prob=True,
+                                  **FAMILY_FEATURES["qwen3_moe"]),
     # HuggingFaceTB/SmolLM2-135M(-Instruct).
     "smollm2-135m": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -263,6 +312,19 @@ PRESETS: dict[str, ModelConfig] = {
         "0.6b": (1024, 3072, 28, 16, True), "1.7b": (2048, 6144, 28, 16, True),
         "4b": (2560, 9728, 36, 32, True), "8b": (4096, 12288, 36, 32, False),
         "14b": (5120, 17408, 40, 40, False), "32b": (5120, 25600, 64, 64, False)}.items()},
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (+ -Base, -Instruct-2507, -Thinking-2507), their config.json:
+    # 30B-A3B: hidden 2048, 48 layers, 32 heads / 4 KV heads of 128, 128 experts of width
+    # (moe_intermediate_size) 768, top-8, norm_topk_prob, intermediate_size 6144 (unused: every layer is MoE,
+    # decoder_sparse_step 1, mlp_only_layers []), vocabulary 151936, untied, RoPE base 1e6, 40960 positions.
+    # 235B-A22B: hidden 4096, 94 layers, 64 heads / 4 KV heads of 128, 128 experts of width 1536, top-8,
+    # intermediate_size 12288, the rest as 30B-A3B.
+    **{f"qwen3-{name}": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=hidden, intermediate_size=dense_width,
+        num_layers=layers, num_heads=heads, num_kv_heads=4, head_dim=128, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, tie_embeddings=False, max_seq_len=40960, num_experts=128, experts_per_token=8,
+        expert_intermediate_size=expert_width, norm_topk_prob=True, **FAMILY_FEATURES["qwen3_moe"])
+       for name, (hidden, dense_width, layers, heads, expert_width) in {
+           "30b-a3b": (2048, 6144, 48, 32, 768), "235b-a22b": (4096, 12288, 94, 64, 1536)}.items()},
     # google/gemma-3-1b-{pt,it} (text-only) and the text decoder of google/gemma-3-{4b,12b,27b}-{pt,it}.
     "gemma3-1b": _gemma3(262144, 1152, 6912, 26, 4, 1, 256, 256, 512, None, 32768),
     "gemma3-4b": _gemma3(262208, 2560, 10240, 34, 8, 4, 256, 256, 1024, 8.0, 131072),

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.layers import MLP, Attention, Linear, RMSNorm, write_rows
+from logra_jax.models.moe import MoE
 from logra_jax.parallel.sharding import constrain, param_shardings
 
 # Logical axes of the cache's k / v [L, B, S, Hkv, hd]: rows over the batch axes, KV heads over tensor.
@@ -58,7 +59,8 @@ class KVCache(NamedTuple):
 
 class Block(nnx.Module):
     """Pre-norm residual block: h = x + attn(norm(x)); y = h + mlp(norm(h)). With config.post_norms (Gemma 3) the
-    attention and MLP outputs are normed too: h = x + norm(attn(norm(x))); y = h + norm(mlp(norm(h)))."""
+    attention and MLP outputs are normed too: h = x + norm(attn(norm(x))); y = h + norm(mlp(norm(h))). With
+    config.num_experts the MLP is a mixture of experts (`logra_jax.models.moe.MoE`)."""
 
     def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, offset=config.norm_offset,
@@ -67,19 +69,24 @@ class Block(nnx.Module):
         self.attn = Attention(config, stack=stack, rngs=rngs)
         self.post_attn_norm = norm() if config.post_norms else None
         self.mlp_norm = norm()
-        self.mlp = MLP(config, stack=stack, rngs=rngs)
+        self.mlp = MoE(config, stack=stack, rngs=rngs) if config.moe else MLP(config, stack=stack, rngs=rngs)
         self.post_mlp_norm = norm() if config.post_norms else None
 
     def __call__(self, x, positions, q_slots, key_valid, cache=None, write_index=None, layer=None):
+        """(y, cache, router logits [B, T, E] of an MoE block, else None)."""
         h, cache = self.attn(self.attn_norm(x), positions, q_slots, key_valid, cache, write_index, layer)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = constrain(x + h, ("batch", "length", "act_embed"))
-        h = self.mlp(self.mlp_norm(x))
+        router_logits = None
+        if isinstance(self.mlp, MoE):
+            h, router_logits = self.mlp(self.mlp_norm(x))
+        else:
+            h = self.mlp(self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         x = constrain(x + h, ("batch", "length", "act_embed"))
-        return x, cache
+        return x, cache, router_logits
 
 
 _REMAT_POLICIES = {
@@ -121,16 +128,20 @@ class Decoder(nnx.Module):
         return self.lm_head.kernel[...]
 
     def _run_blocks(self, x, positions, q_slots, key_valid, cache: KVCache | None):
+        """(x, the new cache's (k, v) or None, router logits [L, B, T, E] of an MoE model or None)."""
         if self.config.decode_unroll:
             # The layers unrolled, each reading its own weights and its own k, v buffers (a per-layer cache) in place.
-            ks, vs = [], []
+            ks, vs, routers = [], [], []
             for layer, block in enumerate(self.blocks):
                 kv = None if cache is None else (cache.k[layer], cache.v[layer])
-                x, kv = block(x, positions, q_slots, key_valid, kv, None if cache is None else cache.index, layer)
+                x, kv, router = block(x, positions, q_slots, key_valid, kv, None if cache is None else cache.index,
+                                      layer)
+                routers.append(router)
                 if kv is not None:
                     ks.append(kv[0])
                     vs.append(kv[1])
-            return x, None if cache is None else (tuple(ks), tuple(vs))
+            router_logits = jnp.stack(routers) if self.config.moe else None
+            return x, None if cache is None else (tuple(ks), tuple(vs)), router_logits
 
         graphdef, state = nnx.split(self.blocks)
         # The cache [L, B, S, Hkv, hd] rides in the carry: each layer scatters its new rows into it in place and
@@ -140,14 +151,14 @@ class Decoder(nnx.Module):
             layer_state, layer = xs
             block = nnx.merge(graphdef, layer_state)
             index = None if cache is None else cache.index
-            h, stacks = block(h, positions, q_slots, key_valid, stacks, index, layer)
-            return (h, stacks), None
+            h, stacks, router_logits = block(h, positions, q_slots, key_valid, stacks, index, layer)
+            return (h, stacks), router_logits
 
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         stacks = None if cache is None else (cache.k, cache.v)
-        (x, stacks), _ = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)))
-        return x, stacks
+        (x, stacks), router_logits = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)))
+        return x, stacks, router_logits
 
     def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -161,8 +172,22 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         x = self._embed(tokens)
-        x, _ = self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None)
+        x, _, _ = self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None)
         return self.final_norm(x)
+
+    def router_logits(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None) -> jax.Array:
+        """Every MoE layer's float32 router logits [L, B, T, E] (for `moe.load_balancing_loss`).
+
+        Raises:
+          ValueError: the model is dense (config.num_experts == 0).
+        """
+        if not self.config.moe:
+            raise ValueError(f"router_logits: architecture={self.config.architecture!r} has no experts")
+        B, T = tokens.shape
+        mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        x = self._embed(tokens)
+        return self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None)[2]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] from hidden states [..., D]."""
@@ -208,7 +233,7 @@ class Decoder(nnx.Module):
         valid = write_rows(cache.valid, mask, cache.index)
         q_slots = cache.index[:, None] + jnp.arange(T)
         x = self._embed(tokens)
-        x, (k, v) = self._run_blocks(x, positions, q_slots, valid, cache)
+        x, (k, v), _ = self._run_blocks(x, positions, q_slots, valid, cache)
         logits = self.logits(self.final_norm(x))
         advance = jnp.where(mask.any(axis=1), T, 0).astype(jnp.int32)
         new_cache = KVCache(k=k, v=v, valid=valid, positions=cache.positions + mask.sum(1).astype(jnp.int32),

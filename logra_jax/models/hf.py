@@ -42,8 +42,13 @@ from logra_jax.models.tokenizer import Tokenizer
 
 # config.json "architectures" entry → ModelConfig.architecture, and ours → config.json "model_type".
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma3ForCausalLM": "gemma3"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+                 "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+               "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+# Per MoE family: the MLP's tensor-name prefix and its experts' gate, up, down names (what save_pretrained writes;
+# transformers fuses them into experts.gate_up_proj [E, 2F, D] and experts.down_proj [E, D, F] in memory only).
+_MOE_NAMES = {"qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+              "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"))}
 # Multimodal checkpoints whose text decoder we load: architecture → (config.json field holding the decoder's
 # config, prefix of its tensor names, prefixes of the tensors of the other modalities, which are skipped).
 MULTIMODAL = {"Gemma3ForConditionalGeneration": ("text_config", "language_model.",
@@ -65,7 +70,8 @@ _HF_FIELDS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_hea
               "rope_scaling_factor": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
               "rope_high_freq_factor": "rope_scaling.high_freq_factor",
               "rope_original_max_position": "rope_scaling.original_max_position_embeddings",
-              "sliding_window_pattern": "layer_types", "rope_local_theta": "rope_local_base_freq"}
+              "sliding_window_pattern": "layer_types", "rope_local_theta": "rope_local_base_freq",
+              "experts_per_token": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size"}
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
               "F64": np.dtype("<f8")}
 
@@ -90,7 +96,8 @@ def hf_tensor_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
     """(parameter path, Hugging Face tensor name with "{i}" for the layer, transposed?) for every leaf.
 
     Llama's "post_attention_layernorm" is the norm before the MLP; Gemma 3's is the norm after attention (its
-    pre-MLP norm is "pre_feedforward_layernorm").
+    pre-MLP norm is "pre_feedforward_layernorm"). An MoE model's expert kernels [L, E, in, out] are one tensor
+    per layer and expert, "{e}" in the name standing for the expert.
     """
     layer = "model.layers.{i}."
     rows = [("embed.embedding", "model.embed_tokens.weight", False),
@@ -107,10 +114,23 @@ def hf_tensor_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
         rows += [(f"blocks.attn.{p}_proj.bias", f"{layer}self_attn.{p}_proj.bias", False) for p in "qkv"]
     if config.qk_norm:
         rows += [(f"blocks.attn.{p}_norm.scale", f"{layer}self_attn.{p}_norm.weight", False) for p in "qk"]
-    rows += [(f"blocks.mlp.{p}_proj.kernel", f"{layer}mlp.{p}_proj.weight", True) for p in ("gate", "up", "down")]
+    if config.moe:
+        prefix, experts = _MOE_NAMES[config.architecture]
+        rows.append(("blocks.mlp.router.kernel", f"{layer}{prefix}gate.weight", True))
+        rows += [(f"blocks.mlp.{p}_proj.kernel", f"{layer}{prefix}experts.{{e}}.{hf}.weight", True)
+                 for p, hf in zip(("gate", "up", "down"), experts)]
+    else:
+        rows += [(f"blocks.mlp.{p}_proj.kernel", f"{layer}mlp.{p}_proj.weight", True)
+                 for p in ("gate", "up", "down")]
     if not config.tie_embeddings:
         rows.append(("lm_head.kernel", "lm_head.weight", True))
     return rows
+
+
+def _stacked_keys(name: str) -> tuple[str, ...]:
+    """The placeholders of a tensor-name pattern, in our leaf's leading-axis order: () for a tensor outside the
+    layers, ("i",) for a per-layer one, ("i", "e") for a per-layer, per-expert one."""
+    return tuple(key for key in ("i", "e") if f"{{{key}}}" in name)
 
 
 def rope_heads(name: str, config: ModelConfig) -> int | None:
@@ -224,28 +244,32 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
 
         def read_slice(index: tuple[slice, ...], name: str = name, shape: tuple[int, ...] = shape,
                        transpose: bool = transpose) -> np.ndarray:
-            if "{i}" not in name:
-                return tensor_slice(name, shape, transpose, index)
-            layers = range(shape[0])[index[0]]
-            out = np.empty((len(layers), *(len(range(n)[s]) for n, s in zip(shape[1:], index[1:]))), np.float32)
-            for j, i in enumerate(layers):
-                out[j] = tensor_slice(name.format(i=i), shape[1:], transpose, index[1:])
+            stacked = _stacked_keys(name)  # the leading axes (layer, expert) that index checkpoint tensors
+            n = len(stacked)
+            outer = [range(size)[s] for size, s in zip(shape[:n], index[:n])]
+            out = np.empty((*map(len, outer), *(len(range(m)[s]) for m, s in zip(shape[n:], index[n:]))),
+                           np.float32)
+            for at in np.ndindex(*map(len, outer)):
+                keys = {key: outer[axis][j] for axis, (key, j) in enumerate(zip(stacked, at))}
+                out[at] = tensor_slice(name.format(**keys), shape[n:], transpose, index[n:])
             return out
 
         variable.set_value(place_leaf(shape, None if shardings is None else shardings.get(path), read_slice,
-                                      stacked="{i}" in name))
+                                      stacked=bool(_stacked_keys(name))))
     return nnx.merge(graphdef, state), used
 
 
 def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **overrides: Any) -> ModelConfig:
-    """ModelConfig from a parsed config.json (Llama, Qwen2, Qwen3 or Gemma 3 text; transformers 4.x or 5.x rope
-    and layer-type fields), with runtime `overrides` (`RUNTIME_FIELDS`) applied; `source` names the file in error
-    messages. Gemma 3 fields a config.json leaves out take Gemma3TextConfig's defaults. For a multimodal
-    checkpoint (`MULTIMODAL`: Gemma3ForConditionalGeneration) the config is that of its text decoder.
+    """ModelConfig from a parsed config.json (Llama, Qwen2, Qwen3, Gemma 3 text, Qwen3-MoE or Mixtral;
+    transformers 4.x or 5.x rope and layer-type fields), with runtime `overrides` (`RUNTIME_FIELDS`) applied;
+    `source` names the file in error messages. Gemma 3 fields a config.json leaves out take Gemma3TextConfig's
+    defaults. For a multimodal checkpoint (`MULTIMODAL`: Gemma3ForConditionalGeneration) the config is that of its
+    text decoder.
 
     Raises:
       ValueError: unknown architecture, unsupported feature (activation, bias, sliding window, softcapping, rope
-        type, layer pattern), missing or out-of-range field — the message names the file and the field.
+        type, layer pattern, dense layers among MoE ones), missing or out-of-range field — the message names the
+        file and the field.
     """
     archs = hf.get("architectures")
     supported = sorted({*ARCHITECTURES, *MULTIMODAL})
@@ -282,6 +306,8 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json", **over
     if gemma:
         family.update(query_pre_attn_scalar=field("query_pre_attn_scalar", 256), sliding_window=field(
             "sliding_window", 4096), sliding_window_pattern=_sliding_pattern(field, layers, source))
+    if architecture in _MOE_NAMES:
+        family.update(_moe_fields(architecture, field, layers, source))
     try:
         config = ModelConfig(
             architecture=architecture, vocab_size=field("vocab_size"), hidden_size=hidden,
@@ -313,10 +339,36 @@ def _reject_unsupported(architecture: str, field: Callable[..., Any], source: st
         raise ValueError(f"{source}: hidden_act={field('hidden_act')!r} is not supported (only 'silu')")
     if field("mlp_bias", False):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
+    if architecture == "mixtral" and field("sliding_window", None) is not None:
+        raise ValueError(f"{source}: sliding_window={field('sliding_window')!r} is not supported for mixtral "
+                         "(only null)")
     if architecture != "qwen2" and field("attention_bias", False):
         raise ValueError(f"{source}: attention_bias=true (q/k/v/o bias) is not supported for {architecture}")
-    if architecture in ("qwen2", "qwen3") and field("use_sliding_window", False):
+    if architecture in ("qwen2", "qwen3", "qwen3_moe") and field("use_sliding_window", False):
         raise ValueError(f"{source}: use_sliding_window=true is not supported for {architecture}")
+
+
+def _moe_fields(architecture: str, field: Callable[..., Any], num_layers: Any, source: str) -> dict[str, Any]:
+    """The ModelConfig expert fields of a Qwen3-MoE or Mixtral config.json (`num_experts` or, as transformers 5
+    writes it, `num_local_experts`).
+
+    Raises:
+      ValueError: a Qwen3-MoE with dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1): the stacked layer
+        scan holds one kind of layer, so every layer must be MoE.
+    """
+    experts = field("num_experts", None)
+    out = {"num_experts": field("num_local_experts") if experts is None else experts,
+           "experts_per_token": field("num_experts_per_tok", 2)}
+    if architecture == "mixtral":
+        return {**out, "expert_intermediate_size": field("intermediate_size")}
+    if field("mlp_only_layers", []):
+        raise ValueError(f"{source}: mlp_only_layers={field('mlp_only_layers')!r} is not supported (every layer "
+                         "must be MoE: []); dense layers among MoE ones are not implemented")
+    if field("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{source}: decoder_sparse_step={field('decoder_sparse_step')!r} is not supported (only "
+                         f"1: every one of the {num_layers} layers MoE)")
+    return {**out, "expert_intermediate_size": field("moe_intermediate_size"),
+            "norm_topk_prob": bool(field("norm_topk_prob", False))}
 
 
 def _rope_fields(architecture: str, field: Callable[..., Any], source: str) -> dict[str, Any]:
@@ -412,13 +464,33 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
         hf["hidden_act"] = "silu"
     if config.architecture == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
-    elif config.architecture in ("qwen2", "qwen3"):
+    elif config.architecture in ("qwen2", "qwen3", "qwen3_moe"):
         hf.update(use_sliding_window=False, sliding_window=None)
-    if config.architecture == "qwen3":
+    if config.architecture in ("qwen3", "qwen3_moe"):
         hf["attention_bias"] = False
+    hf.update(_moe_to_hf(config))
     if tokenizer is not None:
         hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     return hf
+
+
+def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The config.json expert fields of an MoE config ({} for a dense one).
+
+    Raises:
+      ValueError: a Mixtral whose expert width differs from intermediate_size (Mixtral has one width).
+    """
+    if not config.moe:
+        return {}
+    out = {"num_experts_per_tok": config.experts_per_token, "output_router_logits": False}
+    if config.architecture == "mixtral":
+        if config.expert_intermediate_size != config.intermediate_size:
+            raise ValueError(f"export: expert_intermediate_size={config.expert_intermediate_size} has no Hugging "
+                             f"Face equivalent for mixtral with intermediate_size={config.intermediate_size} "
+                             "(they are one field there)")
+        return {**out, "num_local_experts": config.num_experts, "sliding_window": None}
+    return {**out, "num_experts": config.num_experts, "moe_intermediate_size": config.expert_intermediate_size,
+            "norm_topk_prob": config.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _naturals(values: Any) -> bool:
@@ -542,9 +614,9 @@ def _open_checkpoint(directory: Path) -> dict[str, SafetensorsFile]:
 def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Sharding] | Mesh | None = None,
             stats: LoadStats | None = None, weights: bool = True,
             **overrides: Any) -> tuple[Decoder, Tokenizer | None, ModelConfig]:
-    """Load a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma3ForCausalLM directory
-    (config.json + safetensors), or the text decoder of a Gemma3ForConditionalGeneration one (google/gemma-3-4b,
-    -12b, -27b; its vision tower is not read).
+    """Load a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma3ForCausalLM /
+    Qwen3MoeForCausalLM / MixtralForCausalLM directory (config.json + safetensors), or the text decoder of a
+    Gemma3ForConditionalGeneration one (google/gemma-3-4b, -12b, -27b; its vision tower is not read).
 
     The directory holds config.json, model.safetensors or model.safetensors.index.json (+ shards), and
     optionally tokenizer.json / tokenizer_config.json. `shardings` maps a parameter path
@@ -602,16 +674,17 @@ def _export_tensors(model: Decoder) -> Iterator[tuple[str, tuple[int, ...], Call
 
     for path, name, transpose in hf_tensor_names(config):
         leaf = leaves[path]
-        for i in range(config.num_layers) if "{i}" in name else (None,):
-            tensor_name = name if i is None else name.format(i=i)
+        stacked = _stacked_keys(name)
+        for at in np.ndindex(*leaf.shape[:len(stacked)]):
+            tensor_name = name.format(**dict(zip(stacked, at)))
 
-            def produce(path=path, i=i, transpose=transpose, tensor_name=tensor_name) -> np.ndarray:
-                w = host_leaf(path) if i is None else host_leaf(path)[i]
+            def produce(path=path, at=at, transpose=transpose, tensor_name=tensor_name) -> np.ndarray:
+                w = host_leaf(path)[at]
                 w = w.T if transpose else w
                 heads = rope_heads(tensor_name, config)
                 return rope_rows_to_half(w, heads) if config.rope_interleaved and heads is not None else w
 
-            shape = tuple(leaf.shape if i is None else leaf.shape[1:])
+            shape = tuple(leaf.shape[len(stacked):])
             yield tensor_name, shape[::-1] if transpose else shape, produce
 
 

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -49,7 +51,8 @@ def _make_hf_model(arch: str, *, seed: int = 0, **overrides) -> transformers.Pre
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """Factory: a random-weight transformers Llama/Qwen2/Qwen3/Gemma 3 model in fp32 with eager attention."""
+    """Factory: a random-weight transformers Llama/Qwen2/Qwen3/Gemma 3/Qwen3-MoE/Mixtral model in fp32 with eager
+    attention."""
     return _make_hf_model
 
 

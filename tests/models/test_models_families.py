@@ -144,7 +144,8 @@ def test_presets_map_to_transformers_with_the_same_parameter_count(name):
     assert config_from_hf(hf) == config
     config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-                             "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[
+                             "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+                             "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[
                                  config.architecture]
     fields = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
     with torch.device("meta"):
@@ -202,20 +203,22 @@ def test_export_rejects_a_config_off_its_family():
 @pytest.mark.parametrize("name", [n for n in models.PRESETS if n.startswith(("qwen3-", "gemma3-", "tiny-"))])
 def test_logra_targets_are_every_attention_and_mlp_projection(name):
     """The default target rules find the seven projections of each block, as [L, k, d] matrices with the HF
-    widths, and nothing else (no norm, embedding or head)."""
+    widths (an MoE's expert projections as [L, E, k, d]: one matrix per layer and expert), and nothing else (no
+    norm, router, embedding or head)."""
     c = models.preset(name)
     params = nnx.state(models.abstract_model(c), nnx.Param)
     targets = find_targets(params)
+    f, experts = (c.expert_intermediate_size, (c.num_experts,)) if c.moe else (c.intermediate_size, ())
     # (rows d, width k) of W = kernelᵀ per projection.
     expected = {"attn.q_proj": (c.q_size, c.hidden_size), "attn.k_proj": (c.kv_size, c.hidden_size),
                 "attn.v_proj": (c.kv_size, c.hidden_size), "attn.o_proj": (c.hidden_size, c.q_size),
-                "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
-                "mlp.up_proj": (c.intermediate_size, c.hidden_size),
-                "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+                "mlp.gate_proj": (f, c.hidden_size), "mlp.up_proj": (f, c.hidden_size),
+                "mlp.down_proj": (c.hidden_size, f)}
     assert sorted(targets) == sorted(f"blocks.{p}.kernel" for p in expected)
     for proj, (d, k) in expected.items():
         t = targets[f"blocks.{proj}.kernel"]
-        assert (t.batch_shape, t.rows_shape, t.k) == ((c.num_layers,), (d,), k), proj
+        batch = (c.num_layers, *experts) if proj.startswith("mlp.") else (c.num_layers,)
+        assert (t.batch_shape, t.rows_shape, t.k) == (batch, (d,), k), proj
 
 
 def test_gemma3_multimodal_checkpoint_loads_its_text_decoder(tmp_path, hf_logits, forward, padded_batch,
