@@ -78,13 +78,15 @@ class ModelConfig:
         LoGRA projections X Aᵀ of sketch-native targets).
       attention_impl: "dense" materialises [T, T] scores; "chunked" runs an online softmax over key chunks.
       attention_chunk: key-chunk length of the chunked attention.
-      num_experts: experts per MoE layer (`logra_jax.models.moe`); 0 = a dense model. MoE architectures
-        ("qwen3_moe", "mixtral") make every layer's MLP an MoE (the stacked layer scan holds one kind of layer;
-        interleaved dense layers are not supported).
+      num_experts: experts per MoE layer (`logra_jax.models.moe`); 0 = a dense model (architectures other than
+        "qwen3_moe" and "mixtral").
       experts_per_token: k, the experts each token is routed to (0 in a dense model).
       expert_intermediate_size: each expert's hidden width F_e (0 in a dense model; Mixtral's equals
         intermediate_size).
       norm_topk_prob: the k routing weights are renormalised to sum to 1 (Qwen3-MoE's flag; always for Mixtral).
+      moe_layer_step: layer i is MoE when (i + 1) % moe_layer_step == 0 and dense (intermediate_size) otherwise
+        (Qwen3-MoE's decoder_sparse_step); 1 = every layer MoE. num_layers must be a multiple of it (the decoder
+        scans over groups of moe_layer_step layers).
       decode_unroll: one module per layer (parameters blocks.{i}.<path>, `decoder.layer_source`) and a per-layer
         KV cache (`Decoder.init_cache`: one buffer per layer), the layers unrolled instead of scanned over stacks
         (the rollout engine sets it for GPUs: XLA:GPU then reads each layer's weights and KV cache in place, where
@@ -129,6 +131,7 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    moe_layer_step: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -198,12 +201,16 @@ class ModelConfig:
                 if getattr(self, name) <= 0:
                     raise ValueError(f"ModelConfig.{name} must be > 0 for architecture={self.architecture!r}, "
                                      f"got {getattr(self, name)}")
+            if not isinstance(self.moe_layer_step, int) or self.moe_layer_step <= 0 or (
+                    self.num_layers % self.moe_layer_step):
+                raise ValueError(f"ModelConfig.moe_layer_step must be a positive divisor of num_layers "
+                                 f"({self.num_layers}), got {self.moe_layer_step!r}")
             if self.experts_per_token > self.num_experts:
                 raise ValueError(f"ModelConfig.experts_per_token ({self.experts_per_token}) exceeds num_experts "
                                  f"({self.num_experts})")
         else:
-            for name in (*names, "norm_topk_prob"):
-                if getattr(self, name):
+            for name, off in (*((n, 0) for n in names), ("norm_topk_prob", False), ("moe_layer_step", 1)):
+                if getattr(self, name) != off:
                     raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} needs an MoE architecture "
                                      f"{MOE_ARCHITECTURES}, got architecture={self.architecture!r}")
 
@@ -219,6 +226,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its MLP is a mixture of experts (all False in a dense model)."""
+        return tuple(self.moe and (i + 1) % self.moe_layer_step == 0 for i in range(self.num_layers))
 
     def sliding_layers(self) -> tuple[bool, ...]:
         """Per layer, whether it attends through the sliding window (all False without a window)."""
@@ -241,10 +252,12 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = (self.num_experts * (d + 3 * d * self.expert_intermediate_size) if self.moe else 3 * d * f)
-        block = attn + mlp + (4 if self.post_norms else 2) * d
+        norms = (4 if self.post_norms else 2) * d
+        moe_layers = sum(self.moe_layers())
+        moe = moe_layers * (self.num_experts * (d + 3 * d * self.expert_intermediate_size))
+        dense = (L - moe_layers) * 3 * d * f
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + L * block + d + head
+        return self.vocab_size * d + L * (attn + norms) + moe + dense + d + head
 
 
 def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> ModelConfig:

@@ -62,14 +62,17 @@ class Block(nnx.Module):
     attention and MLP outputs are normed too: h = x + norm(attn(norm(x))); y = h + norm(mlp(norm(h))). With
     config.num_experts the MLP is a mixture of experts (`logra_jax.models.moe.MoE`)."""
 
-    def __init__(self, config: ModelConfig, *, stack: int | None = None, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, stack: int | None = None, moe: bool | None = None,
+                 rngs: nnx.Rngs):
+        """moe: whether the MLP is a mixture of experts (default: config.moe)."""
+        moe = config.moe if moe is None else moe
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, offset=config.norm_offset,
                                  stack=stack)
         self.attn_norm = norm()
         self.attn = Attention(config, stack=stack, rngs=rngs)
         self.post_attn_norm = norm() if config.post_norms else None
         self.mlp_norm = norm()
-        self.mlp = MoE(config, stack=stack, rngs=rngs) if config.moe else MLP(config, stack=stack, rngs=rngs)
+        self.mlp = MoE(config, stack=stack, rngs=rngs) if moe else MLP(config, stack=stack, rngs=rngs)
         self.post_mlp_norm = norm() if config.post_norms else None
 
     def __call__(self, x, positions, q_slots, key_valid, cache=None, write_index=None, layer=None):
@@ -109,8 +112,15 @@ class Decoder(nnx.Module):
         self.embed.embedding.set_metadata("axes", ("vocab", "embed"))
         # One stacked Block scanned over layers; under decode_unroll (the GPU engine) one Block per layer, so that a
         # decode step reads each layer's weights in place (XLA:GPU copies a loop's static slices of a stack out).
+        # With dense layers among MoE ones (moe_layer_step > 1): the dense layers stacked in `blocks`, the MoE ones
+        # in `moe_blocks`, scanned a group of moe_layer_step layers at a time.
+        step = c.moe_layer_step
+        if c.decode_unroll and step > 1:
+            raise ValueError(f"Decoder: decode_unroll is not supported with ModelConfig.moe_layer_step={step}")
         self.blocks = (nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)]) if c.decode_unroll
+                       else Block(c, stack=c.num_layers - c.num_layers // step, moe=False, rngs=rngs) if step > 1
                        else Block(c, stack=c.num_layers, rngs=rngs))
+        self.moe_blocks = Block(c, stack=c.num_layers // step, rngs=rngs) if step > 1 else None
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.norm_offset)
         self.lm_head = None if c.tie_embeddings else Linear(
             c.hidden_size, c.vocab_size, axes=("embed", "vocab"), rngs=rngs)
@@ -143,6 +153,8 @@ class Decoder(nnx.Module):
             router_logits = jnp.stack(routers) if self.config.moe else None
             return x, None if cache is None else (tuple(ks), tuple(vs)), router_logits
 
+        if self.moe_blocks is not None:
+            return self._run_groups(x, positions, q_slots, key_valid, cache)
         graphdef, state = nnx.split(self.blocks)
         # The cache [L, B, S, Hkv, hd] rides in the carry: each layer scatters its new rows into it in place and
         # reads its own slice (no per-layer copy of the cache in or out of the scan).
@@ -158,6 +170,32 @@ class Decoder(nnx.Module):
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         stacks = None if cache is None else (cache.k, cache.v)
         (x, stacks), router_logits = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)))
+        return x, stacks, router_logits
+
+    def _run_groups(self, x, positions, q_slots, key_valid, cache: KVCache | None):
+        """`_run_blocks` with moe_layer_step = s > 1: a scan over the L / s groups of layers g·s … g·s + s − 1, each
+        s − 1 dense layers (`blocks`, stacked [L − L/s]) and then one MoE layer (`moe_blocks`, stacked [L/s])."""
+        s = self.config.moe_layer_step
+        groups = self.config.num_layers // s
+        dense_graph, dense_state = nnx.split(self.blocks)
+        moe_graph, moe_state = nnx.split(self.moe_blocks)
+        dense_state = jax.tree.map(lambda a: a.reshape(groups, s - 1, *a.shape[1:]), dense_state)
+        index = None if cache is None else cache.index
+
+        def body(carry, xs):
+            h, stacks = carry
+            dense, moe, group = xs
+            for j in range(s - 1):
+                block = nnx.merge(dense_graph, jax.tree.map(lambda a, j=j: a[j], dense))
+                h, stacks, _ = block(h, positions, q_slots, key_valid, stacks, index, group * s + j)
+            block = nnx.merge(moe_graph, moe)
+            h, stacks, router_logits = block(h, positions, q_slots, key_valid, stacks, index, group * s + s - 1)
+            return (h, stacks), router_logits
+
+        if self.config.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
+        stacks = None if cache is None else (cache.k, cache.v)
+        (x, stacks), router_logits = jax.lax.scan(body, (x, stacks), (dense_state, moe_state, jnp.arange(groups)))
         return x, stacks, router_logits
 
     def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -176,7 +214,7 @@ class Decoder(nnx.Module):
         return self.final_norm(x)
 
     def router_logits(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None) -> jax.Array:
-        """Every MoE layer's float32 router logits [L, B, T, E] (for `moe.load_balancing_loss`).
+        """Every MoE layer's float32 router logits [L / moe_layer_step, B, T, E] (for `moe.load_balancing_loss`).
 
         Raises:
           ValueError: the model is dense (config.num_experts == 0).

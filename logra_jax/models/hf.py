@@ -71,7 +71,8 @@ _HF_FIELDS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_hea
               "rope_high_freq_factor": "rope_scaling.high_freq_factor",
               "rope_original_max_position": "rope_scaling.original_max_position_embeddings",
               "sliding_window_pattern": "layer_types", "rope_local_theta": "rope_local_base_freq",
-              "experts_per_token": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size"}
+              "experts_per_token": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size",
+              "moe_layer_step": "decoder_sparse_step"}
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
               "F64": np.dtype("<f8")}
 
@@ -97,7 +98,8 @@ def hf_tensor_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
 
     Llama's "post_attention_layernorm" is the norm before the MLP; Gemma 3's is the norm after attention (its
     pre-MLP norm is "pre_feedforward_layernorm"). An MoE model's expert kernels [L, E, in, out] are one tensor
-    per layer and expert, "{e}" in the name standing for the expert.
+    per layer and expert, "{e}" in the name standing for the expert. "{i}" is the Hugging Face layer number, which
+    `hf_layer` gives for an index into our stacks.
     """
     layer = "model.layers.{i}."
     rows = [("embed.embedding", "model.embed_tokens.weight", False),
@@ -114,17 +116,44 @@ def hf_tensor_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
         rows += [(f"blocks.attn.{p}_proj.bias", f"{layer}self_attn.{p}_proj.bias", False) for p in "qkv"]
     if config.qk_norm:
         rows += [(f"blocks.attn.{p}_norm.scale", f"{layer}self_attn.{p}_norm.weight", False) for p in "qk"]
-    if config.moe:
-        prefix, experts = _MOE_NAMES[config.architecture]
-        rows.append(("blocks.mlp.router.kernel", f"{layer}{prefix}gate.weight", True))
-        rows += [(f"blocks.mlp.{p}_proj.kernel", f"{layer}{prefix}experts.{{e}}.{hf}.weight", True)
-                 for p, hf in zip(("gate", "up", "down"), experts)]
+    if config.moe_layer_step > 1:  # the MoE layers' attention and norms in moe_blocks, with the same names
+        shared = [(f"moe_{path}", name, t) for path, name, t in rows if path.startswith("blocks.")]
+        rows += _mlp_names(layer, None) + shared + [(f"moe_{path}", name, t)
+                                                    for path, name, t in _mlp_names(layer, config.architecture)]
     else:
-        rows += [(f"blocks.mlp.{p}_proj.kernel", f"{layer}mlp.{p}_proj.weight", True)
-                 for p in ("gate", "up", "down")]
+        rows += _mlp_names(layer, config.architecture if config.moe else None)
     if not config.tie_embeddings:
         rows.append(("lm_head.kernel", "lm_head.weight", True))
     return rows
+
+
+def _mlp_names(layer: str, moe_architecture: str | None) -> list[tuple[str, str, bool]]:
+    """`hf_tensor_names`' rows of a block's MLP: dense, or the router and experts of an MoE family."""
+    if moe_architecture is None:
+        return [(f"blocks.mlp.{p}_proj.kernel", f"{layer}mlp.{p}_proj.weight", True) for p in ("gate", "up", "down")]
+    prefix, experts = _MOE_NAMES[moe_architecture]
+    return [("blocks.mlp.router.kernel", f"{layer}{prefix}gate.weight", True)] + [
+        (f"blocks.mlp.{p}_proj.kernel", f"{layer}{prefix}experts.{{e}}.{hf}.weight", True)
+        for p, hf in zip(("gate", "up", "down"), experts)]
+
+
+def hf_layer(config: ModelConfig, path: str, index: int) -> int:
+    """The Hugging Face layer number ("{i}") of layer `index` of the stack holding parameter `path`: the same
+    number, except with moe_layer_step = s > 1, where `blocks` stacks the dense layers and `moe_blocks` the MoE
+    ones (layer g·s + s − 1 of each group g).
+
+    Example:
+      >>> from logra_jax.models.config import preset
+      >>> c = preset("tiny-qwen3-moe", num_layers=6, moe_layer_step=3)
+      >>> [hf_layer(c, "blocks.attn.q_proj.kernel", i) for i in range(4)], hf_layer(c, "moe_blocks.attn_norm.scale", 1)
+      ([0, 1, 3, 4], 5)
+    """
+    s = config.moe_layer_step
+    if s == 1:
+        return index
+    if path.startswith("moe_blocks."):
+        return index * s + s - 1
+    return index // (s - 1) * s + index % (s - 1)
 
 
 def _stacked_keys(name: str) -> tuple[str, ...]:
@@ -243,7 +272,7 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
         shape = tuple(variable.get_value().shape)
 
         def read_slice(index: tuple[slice, ...], name: str = name, shape: tuple[int, ...] = shape,
-                       transpose: bool = transpose) -> np.ndarray:
+                       transpose: bool = transpose, path: str = path) -> np.ndarray:
             stacked = _stacked_keys(name)  # the leading axes (layer, expert) that index checkpoint tensors
             n = len(stacked)
             outer = [range(size)[s] for size, s in zip(shape[:n], index[:n])]
@@ -251,6 +280,8 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, sourc
                            np.float32)
             for at in np.ndindex(*map(len, outer)):
                 keys = {key: outer[axis][j] for axis, (key, j) in enumerate(zip(stacked, at))}
+                if "i" in keys:
+                    keys["i"] = hf_layer(config, path, keys["i"])
                 out[at] = tensor_slice(name.format(**keys), shape[n:], transpose, index[n:])
             return out
 
@@ -353,8 +384,8 @@ def _moe_fields(architecture: str, field: Callable[..., Any], num_layers: Any, s
     writes it, `num_local_experts`).
 
     Raises:
-      ValueError: a Qwen3-MoE with dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1): the stacked layer
-        scan holds one kind of layer, so every layer must be MoE.
+      ValueError: a Qwen3-MoE with dense layers listed in `mlp_only_layers`, or a `decoder_sparse_step` that does
+        not divide the layers: the decoder scans over stacks of like groups, so the dense layers must be periodic.
     """
     experts = field("num_experts", None)
     out = {"num_experts": field("num_local_experts") if experts is None else experts,
@@ -364,11 +395,12 @@ def _moe_fields(architecture: str, field: Callable[..., Any], num_layers: Any, s
     if field("mlp_only_layers", []):
         raise ValueError(f"{source}: mlp_only_layers={field('mlp_only_layers')!r} is not supported (every layer "
                          "must be MoE: []); dense layers among MoE ones are not implemented")
-    if field("decoder_sparse_step", 1) != 1:
-        raise ValueError(f"{source}: decoder_sparse_step={field('decoder_sparse_step')!r} is not supported (only "
-                         f"1: every one of the {num_layers} layers MoE)")
+    step = field("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step <= 0 or not isinstance(num_layers, int) or num_layers % step:
+        raise ValueError(f"{source}: decoder_sparse_step={step!r} is not supported (only a divisor of "
+                         f"num_hidden_layers={num_layers!r}: the decoder scans over groups of that many layers)")
     return {**out, "expert_intermediate_size": field("moe_intermediate_size"),
-            "norm_topk_prob": bool(field("norm_topk_prob", False))}
+            "norm_topk_prob": bool(field("norm_topk_prob", False)), "moe_layer_step": step}
 
 
 def _rope_fields(architecture: str, field: Callable[..., Any], source: str) -> dict[str, Any]:
@@ -488,9 +520,13 @@ def _moe_to_hf(config: ModelConfig) -> dict[str, Any]:
             raise ValueError(f"export: expert_intermediate_size={config.expert_intermediate_size} has no Hugging "
                              f"Face equivalent for mixtral with intermediate_size={config.intermediate_size} "
                              "(they are one field there)")
+        if config.moe_layer_step != 1:
+            raise ValueError(f"export: moe_layer_step={config.moe_layer_step} has no Hugging Face equivalent for "
+                             "mixtral (every layer MoE)")
         return {**out, "num_local_experts": config.num_experts, "sliding_window": None}
     return {**out, "num_experts": config.num_experts, "moe_intermediate_size": config.expert_intermediate_size,
-            "norm_topk_prob": config.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": []}
+            "norm_topk_prob": config.norm_topk_prob, "decoder_sparse_step": config.moe_layer_step,
+            "mlp_only_layers": []}
 
 
 def _naturals(values: Any) -> bool:
@@ -676,7 +712,10 @@ def _export_tensors(model: Decoder) -> Iterator[tuple[str, tuple[int, ...], Call
         leaf = leaves[path]
         stacked = _stacked_keys(name)
         for at in np.ndindex(*leaf.shape[:len(stacked)]):
-            tensor_name = name.format(**dict(zip(stacked, at)))
+            keys = dict(zip(stacked, at))
+            if "i" in keys:
+                keys["i"] = hf_layer(config, path, keys["i"])
+            tensor_name = name.format(**keys)
 
             def produce(path=path, at=at, transpose=transpose, tensor_name=tensor_name) -> np.ndarray:
                 w = host_leaf(path)[at]
