@@ -679,19 +679,53 @@ def load_hf(directory: str | Path, *, shardings: Mapping[str, jax.sharding.Shard
     files = _open_checkpoint(directory)
     _, prefix, skipped = MULTIMODAL.get(hf_config["architectures"][0], (None, "", ()))
 
+    fused = _fused_expert_views(files, config)
+
     def read(name: str) -> np.ndarray:
+        if prefix + name not in files and prefix + name in fused:
+            source, index = fused[prefix + name]
+            return files[source].get(source)[index]
         if prefix + name not in files:
             raise ValueError(f"{directory}: tensor {prefix + name!r} is missing from the checkpoint")
         return files[prefix + name].get(prefix + name)
 
     model, used = build_model(config, read, source=str(directory), shardings=shardings, stats=stats)
     ignorable = {prefix + "lm_head.weight"} if config.tie_embeddings else set()
-    unexpected = sorted(n for n in set(files) - {prefix + u for u in used} - ignorable
+    used = {prefix + u for u in used}
+    used |= {fused[n][0] for n in used if n in fused}
+    unexpected = sorted(n for n in set(files) - used - ignorable
                         if not n.endswith("rotary_emb.inv_freq") and not n.startswith(skipped))
     if unexpected:
         raise ValueError(f"{directory}: tensors not used by a {config.architecture} model with this config.json: "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     return model, tokenizer, config
+
+
+_FUSED_EXPERTS = re.compile(r"^(?P<layer>.*\.)mlp\.(?:experts\.(?P<proj>gate_up_proj|down_proj)|gate\.weight)$")
+
+
+def _fused_expert_views(files: Mapping[str, SafetensorsFile],
+                        config: ModelConfig) -> dict[str, tuple[str, tuple[Any, ...]]]:
+    """{per-expert tensor name: (fused tensor name, its index)} for the fused form transformers 5 writes with
+    `save_pretrained(save_original_format=False)`: mlp.experts.gate_up_proj [E, 2F, D] (gate rows, then up rows),
+    mlp.experts.down_proj [E, D, F], and (Mixtral) the router as mlp.gate.weight; {} for a dense config."""
+    if not config.moe:
+        return {}
+    family, (gate, up, down) = _MOE_NAMES[config.architecture]
+    F = config.expert_intermediate_size
+    views: dict[str, tuple[str, tuple[Any, ...]]] = {}
+    for name in files:
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            continue
+        layer, proj = match["layer"], match["proj"]
+        if proj is None:
+            views[f"{layer}{family}gate.weight"] = (name, ())
+            continue
+        parts = ((gate, slice(0, F)), (up, slice(F, 2 * F))) if proj == "gate_up_proj" else ((down, slice(None)),)
+        for e in range(config.num_experts):
+            views.update({f"{layer}{family}experts.{e}.{hf}.weight": (name, (e, rows)) for hf, rows in parts})
+    return views
 
 
 def _export_tensors(model: Decoder) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:

@@ -158,6 +158,23 @@ def test_export_round_trip_is_bit_exact_and_transformers_reads_it(case, checkpoi
     assert max_rel_err(forward(model, tokens, mask), hf_logits(reread, tokens, mask), where=mask) <= 1e-4
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_fused_expert_checkpoints_load_alike(case, checkpoint, tmp_path):
+    """save_pretrained(save_original_format=False) writes transformers 5's fused experts (mlp.experts.gate_up_proj
+    [E, 2F, D], mlp.experts.down_proj [E, D, F], Mixtral's router as mlp.gate.weight): the same parameters load."""
+    peer, directory = checkpoint(case)
+    peer.save_pretrained(tmp_path, save_original_format=False)
+    names = SafetensorsFile(tmp_path / "model.safetensors").names()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+    fused, _, config = models.load(tmp_path)
+    model, _, config_again = models.load(directory)
+    assert config == config_again
+    leaves = dict(nnx.to_flat_state(nnx.state(model)))
+    for path, variable in nnx.to_flat_state(nnx.state(fused)):
+        np.testing.assert_array_equal(np.asarray(variable.get_value()), np.asarray(leaves[path].get_value()),
+                                      err_msg=str(path))
+
+
 def _loop_reference(x, router, gate, up, down, k, normalize):
     """The MoE layer token by token in numpy float64: y = Σ_{e ∈ top-k} w_e · W_eᵀ(silu(G_eᵀ x) ⊙ U_eᵀ x)."""
     out = np.zeros_like(x)
