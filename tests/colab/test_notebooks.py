@@ -16,7 +16,8 @@ from nbclient.exceptions import CellExecutionError
 
 COLAB = Path(__file__).resolve().parents[2] / "colab"
 # Seconds a single cell may run before its notebook fails: a guard against hangs, several times the smoke runs.
-CELL_TIMEOUT_S = {"quickstart.ipynb": 300, "rl_demo.ipynb": 600, "memory_analysis.ipynb": 300}
+CELL_TIMEOUT_S = {"quickstart.ipynb": 300, "rl_demo.ipynb": 600, "memory_analysis.ipynb": 300,
+                  "rl_tpu.ipynb": 600}
 SMOKE_SWITCH = "LOGRA_NOTEBOOK_SMOKE"
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks
 
