@@ -44,10 +44,16 @@ class ExpertLinear(nnx.Module):
         if stack is not None:
             shape, names = (stack, *shape), ("layers", *names)
         self.kernel = nnx.Param(init_std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=names)
+        # Installed by logra_jax.native.sketch_probes on LoGRA targets: a callable
+        # (x, kernel, probe, digest, group_sizes) -> y that sends each expert's sketch into `sketch_probe`.
+        self.lowrank_hook = None
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """x [M, in] sorted by expert, group_sizes [E] (rows per expert, summing to M) → [M, out]:
         row m of group e is x_m · kernel[e]."""
+        if self.lowrank_hook is not None:
+            return self.lowrank_hook(x, self.kernel[...], self.sketch_probe[...], self.sketch_digest[...],
+                                     group_sizes)
         return jax.lax.ragged_dot(x, self.kernel[...].astype(x.dtype), group_sizes)
 
 

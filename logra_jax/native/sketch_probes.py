@@ -31,6 +31,8 @@ from jax.custom_derivatives import SymbolicZero
 
 from logra_jax.kernels.project import sketched_linear
 from logra_jax.models.layers import Linear
+from logra_jax.models.moe import ExpertLinear
+from logra_jax.native.expert_probes import sketched_ragged_linear, tangent_ragged_linear
 from logra_jax.optim.projection import digest_words, key_from_digest, projection
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import Target, check_rank_fits, find_targets
@@ -84,6 +86,34 @@ class LowRankHook:
             return sketched_linear(x, jax.lax.stop_gradient(kernel), jax.lax.stop_gradient(a), probe,
                                    implementation=self.spec.implementation, interpret=self.spec.interpret)
         return _tangent_linear(x, kernel, a, probe)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLowRankHook:
+    """The callable installed on a target ExpertLinear: (x [M, k] sorted by expert, kernel [E, k, d], probe
+    [E, d, r], digest [E, 2], group_sizes [E]) → y [M, d]. Expert e draws its own A_e from digest[e]; inside
+    `sketching` its sketch comes from its own tokens only (`logra_jax.native.expert_probes`, XLA ragged products
+    whatever the spec's implementation)."""
+
+    spec: SketchSpec
+
+    def projections(self, step: jax.Array, digests: jax.Array, width: int) -> jax.Array:
+        """A [E, r, k] of update `step`, row e from the digest words digests[e]."""
+        step = self.spec.draw_step(step)
+        one = lambda digest: projection(key_from_digest(self.spec.base_seed, step, digest), self.spec.rank, width,
+                                        self.spec.distribution)
+        return jax.vmap(one)(digests)
+
+    def __call__(self, x: jax.Array, kernel: jax.Array, probe: jax.Array, digest: jax.Array,
+                 group_sizes: jax.Array) -> jax.Array:
+        mode = _MODE.get()
+        if mode is None:
+            return jax.lax.ragged_dot(x, kernel.astype(x.dtype), group_sizes)
+        a = self.projections(mode.step, digest, kernel.shape[-2])
+        if mode.kind == "sketch":
+            return sketched_ragged_linear(x, jax.lax.stop_gradient(kernel), jax.lax.stop_gradient(a), probe,
+                                          group_sizes)
+        return tangent_ragged_linear(x, kernel, a, probe, group_sizes)
 
 
 @jax.custom_jvp
@@ -147,10 +177,10 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec) -> dict[str, Targe
         owner, _, leaf = path.rpartition(".")
         module = _module_at(model, owner) if owner else model
         rank = len(target.shape)
-        if leaf != "kernel" or not isinstance(module, Linear) or target.dims.rows != (rank - 1,) \
+        if leaf != "kernel" or not isinstance(module, (Linear, ExpertLinear)) or target.dims.rows != (rank - 1,) \
                 or target.dims.width != (rank - 2,):
             raise ValueError(
-                f"sketch-native mode needs target {path!r} to be a Linear kernel [*batch, k, d] with "
+                f"sketch-native mode needs target {path!r} to be a Linear or ExpertLinear kernel [*batch, k, d] with "
                 f"rows=(-1,) and width=(-2,); got module {type(module).__name__} and dims {target.dims}")
         axes = module.kernel.get_metadata().get("axes")
         batch_axes = tuple(axes[:-2]) if axes else (None,) * len(target.batch_shape)
@@ -161,7 +191,7 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec) -> dict[str, Targe
             jnp.zeros((*target.batch_shape, *target.rows_shape, spec.rank), jnp.float32),
             axes=(*batch_axes, axes[-1] if axes else None, None))
         module.sketch_digest = SketchDigest(jnp.asarray(words, jnp.uint32), axes=(*batch_axes, None))
-        module.lowrank_hook = LowRankHook(spec)
+        module.lowrank_hook = ExpertLowRankHook(spec) if isinstance(module, ExpertLinear) else LowRankHook(spec)
     return targets
 
 
