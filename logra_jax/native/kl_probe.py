@@ -7,6 +7,13 @@
 mode (`sketch_probes.sketching(step, kind="tangent")`): δy = (X Aᵀ) Uᵀ at every target, never a dense ΔW. The
 optax transform that turns q into a step scale is `logra_jax.optim.predicted_kl.scale_by_predicted_kl`; the
 train step (`logra_jax.job.train_step`) hands it the probe built here.
+
+Through a mixture-of-experts layer (`logra_jax.models.moe`) the routing is piecewise constant in the weights: the
+JVP holds each token's top-k experts (and so the sorted grouping) fixed and differentiates everything else, the
+router's softmax weights over those k experts included (they move with the layer's input), and each expert's
+tangent is (X_e A_eᵀ) U_eᵀ on its own tokens (`logra_jax.native.expert_probes`). The realised KL re-routes: a token
+whose top-k changes under the step contributes a jump the prediction cannot see, rare for the small steps the
+controller takes (tests/native/test_moe_sketch.py checks predicted against realised on the tiny MoE).
 """
 
 from __future__ import annotations
