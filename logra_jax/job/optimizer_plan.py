@@ -4,7 +4,8 @@
              exactly LoGRA's targets (the rest frozen: the like-for-like baseline).
   adafactor  optax.adafactor on every parameter (factored second moments).
   galore  optax.contrib GaLore (Adam inside, rank r) on each layer of the stacked target kernels, AdamW elsewhere.
-  logra   logra_jax.optim.logra on the targets (dense-gradient or sketch-native), non-targets frozen or AdamW,
+  logra   logra_jax.optim.logra on the targets (dense-gradient or sketch-native), non-targets frozen (the paper's
+          recipe; an MoE's routers included), AdamW, or AdamW on the MoE routers alone (non_targets="router"),
           optionally with a sketch-space momentum (optimizer.momentum, refresh_every) and predicted-KL step control.
   row_adam   LoGRA's RowAdam and update ratio on the targets' dense gradients, no sketch (the ablation that
              separates sketching from the row-wise preconditioner); non-targets frozen.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -30,6 +32,8 @@ from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
 from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets
 
 GALORE_UPDATE_GAP = 200
+# An MoE router's kernel (`logra_jax.models.moe.MoE.router`): what non_targets="router" trains densely.
+ROUTER_PATTERN = r"(^|\.)router\.kernel$"
 
 
 def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -47,6 +51,35 @@ def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 def _adamw(cfg: OptimizerSection) -> optax.GradientTransformation:
     adamw = optax.adamw(cfg.learning_rate, b1=cfg.adam_b1, weight_decay=cfg.weight_decay)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
+
+
+def is_router(path: tuple[Any, ...], _: Any = None) -> bool:
+    """Whether the parameter at `path` (its key components) is an MoE router kernel."""
+    return re.search(ROUTER_PATTERN, ".".join(map(str, path))) is not None
+
+
+def _routers_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` on the MoE router kernels, every other leaf it is given frozen (optax.set_to_zero)."""
+    labels = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda k, _: "router" if re.search(ROUTER_PATTERN, path_str(k)) else "frozen", tree)
+    return optax.partition({"router": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def _non_target_tx(cfg: OptimizerSection, model: nnx.Module) -> optax.GradientTransformation | None:
+    """LoGRA's non_target_tx for `cfg.non_targets`: None (frozen), AdamW, or AdamW on the routers alone.
+
+    Raises:
+      ValueError: non_targets="router" on a model without an MoE router.
+    """
+    if cfg.non_targets == "frozen":
+        return None
+    if cfg.non_targets == "adamw":
+        return _adamw(cfg)
+    paths = [path_str(k) for k, _ in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))]
+    if not any(re.search(ROUTER_PATTERN, p) for p in paths):
+        raise ValueError(f"config.optimizer.non_targets = 'router': the model has no MoE router (no parameter "
+                         f"matches {ROUTER_PATTERN!r})")
+    return _routers_only(_adamw(cfg))
 
 
 def _targets_and_rest(target_tx: optax.GradientTransformation, other_tx: optax.GradientTransformation
@@ -120,7 +153,7 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
         return OptimizerPlan(_targets_and_rest(galore, optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)))
     if cfg.weight_dtype != "float32":
         store_weights(model, cfg.weight_dtype)
-    non_target_tx = None if cfg.non_targets == "frozen" else _adamw(cfg)
+    non_target_tx = _non_target_tx(cfg, model)
     # The one declaration of the sketch settings: logra and the model's sketch probes take this same object.
     spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
                       refresh_every=cfg.refresh_every,
@@ -137,11 +170,12 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
                lr=cfg.learning_rate if cfg.variant == "nemo" else None,
                weight_decay=cfg.weight_decay if cfg.variant == "nemo" else 0.0,
                non_target_tx=non_target_tx, kl_control=kl)
-    frozen = cfg.non_targets == "frozen"
     if cfg.sketch_native:  # trainable = the non-targets trained densely
-        trainable = None if frozen else (lambda path, v: not is_target(path, v))
+        trainable = {"frozen": None, "adamw": lambda path, v: not is_target(path, v), "router": is_router}[
+            cfg.non_targets]
     else:  # trainable = everything that gets a dense gradient
-        trainable = is_target if frozen else None
+        trainable = {"frozen": is_target, "adamw": None,
+                     "router": lambda path, v: is_target(path, v) or is_router(path)}[cfg.non_targets]
     if cfg.sketch_native or cfg.kl_control:
         attach_sketch_probes(model, spec)
     kl_probe = KLProbeConfig(temperature=temperature, undo_above=cfg.kl_undo_above) if cfg.kl_control else None

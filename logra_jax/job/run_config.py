@@ -321,7 +321,7 @@ class AlgorithmSection:
 # The optimizers `logra_jax.job.optimizer_plan.build_optimizer` builds from this section, and what LoGRA does with the
 # parameters it does not target: the config's own vocabulary (no module below owns these names).
 OPTIMIZER_NAMES = ("logra", "adamw", "galore", "adafactor", "row_adam")
-NON_TARGET_CHOICES = ("frozen", "adamw")
+NON_TARGET_CHOICES = ("frozen", "adamw", "router")
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
@@ -336,7 +336,8 @@ class OptimizerSection:
     refresh_every (new projections every κ steps; refresh=False holds those of step 0 for ever), momentum (β₁ of
     the first moment kept in sketch coordinates and carried across projection changes; 0 = none, the paper's),
     distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
-    nemo), sketch_native, non_targets ("frozen" | "adamw"), and the
+    nemo), sketch_native, non_targets ("frozen" | "adamw" | "router": AdamW on the MoE routers alone, the
+    rest frozen), and the
     predicted-KL controller (kl_control, kl_budget → kl_budget_final over kl_schedule_steps, alpha_max,
     subtract_mismatch, probe_responses per step, kl_undo_above: undo a step whose realised KL on the probe
     exceeds this multiple of the budget; 0 = off). implementation: "xla" or "pallas" kernels for the sketched

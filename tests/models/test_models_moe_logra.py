@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from logra_jax import models
@@ -173,3 +174,46 @@ def test_expert_row_moments_are_per_expert():
     for name in EXPERTS:
         d = config.hidden_size if name == "down_proj" else config.expert_intermediate_size
         assert mlp[name]["kernel"].shape == (config.num_layers, config.num_experts, d), name
+
+
+def _one_logra_step(section):
+    """One LoGRA train step of tiny-qwen3-moe as the loop builds it: {path: (before, after)} and the targets."""
+    from logra_jax.core.tree_paths import path_str
+    from logra_jax.job.optimizer_plan import build_optimizer
+    from logra_jax.job.train_step import TrainState, make_train_step, next_token_loss
+
+    model = models.init_model(models.preset("tiny-qwen3-moe", num_layers=2), seed=0)
+    plan = build_optimizer(section, model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    step = make_train_step(graphdef, next_token_loss, plan.tx, mode=plan.mode, trainable=plan.trainable)
+    toks = jax.random.randint(jax.random.key(0), (4, 10), 1, 128)
+    batch = {"tokens": toks, "attention_mask": jnp.ones_like(toks, bool), "loss_mask": jnp.ones_like(toks, bool)}
+    new, _ = jax.jit(step)(TrainState(params, plan.tx.init(params), jnp.zeros((), jnp.int32)), rest, batch)
+    leaves = lambda tree: {path_str(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    return leaves(params), leaves(new.params), set(plan.targets)
+
+
+def test_router_is_frozen_by_default_and_trained_densely_by_config():
+    """non_targets="frozen" (default): only the targets move, the routers stay put; non_targets="router": the
+    routers move too (AdamW), every other non-target stays put; in sketch-native and dense-gradient mode."""
+    from logra_jax.job.run_config import OptimizerSection
+
+    for sketch_native in (True, False):
+        for choice in ("frozen", "router"):
+            section = OptimizerSection(name="logra", rank=RANK, update_ratio=1e-2, learning_rate=1e-3,
+                                       sketch_native=sketch_native, non_targets=choice)
+            before, after, targets = _one_logra_step(section)
+            routers = {p for p in before if p.endswith("router.kernel")}
+            assert routers and targets
+            expected = targets | (routers if choice == "router" else set())
+            moved = {p for p in before if not np.array_equal(before[p], after[p])}
+            assert moved == expected, (sketch_native, choice, moved ^ expected)
+
+
+def test_router_choice_needs_a_router():
+    from logra_jax.job.optimizer_plan import build_optimizer
+    from logra_jax.job.run_config import OptimizerSection
+
+    with pytest.raises(ValueError, match="has no MoE router"):
+        build_optimizer(OptimizerSection(name="logra", rank=RANK, non_targets="router"),
+                        models.init_model(models.preset("tiny"), seed=0))
