@@ -56,6 +56,23 @@ def hf_model():
     return _make_hf_model
 
 
+@pytest.fixture(scope="module")
+def checkpoint(request, tmp_path_factory, hf_model):
+    """Factory (cached per module): a case of the test module's `CASES` ({case: (architecture, overrides)}) →
+    (its transformers peer, the directory it was saved to)."""
+    cases = request.module.CASES
+
+    @functools.cache
+    def make(case: str):
+        arch, overrides = cases[case]
+        peer = hf_model(arch, **overrides)
+        directory = tmp_path_factory.mktemp(case)
+        peer.save_pretrained(directory)
+        return peer, directory
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def hf_logits():
     """Logits of a transformers model, fp32 numpy; with a mask, positions count real tokens (as ours do)."""

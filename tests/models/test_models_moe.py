@@ -39,21 +39,6 @@ CASES = {
 MESHES = {"fsdp8": shd.MeshConfig(fsdp=8), "fsdp4_tensor2": shd.MeshConfig(fsdp=4, tensor=2)}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, hf_model):
-    """Factory (cached): case → (transformers peer, directory it was saved to)."""
-
-    @functools.cache
-    def make(case: str):
-        arch, overrides = CASES[case]
-        peer = hf_model(arch, **overrides)
-        directory = tmp_path_factory.mktemp(case)
-        peer.save_pretrained(directory)
-        return peer, directory
-
-    return make
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(case, checkpoint, hf_logits, forward, padded_batch, max_rel_err):
     peer, directory = checkpoint(case)
