@@ -148,3 +148,46 @@ def random_model():
         return model
 
     return make
+
+
+@pytest.fixture(scope="session")
+def sharded_errors(forward, padded_batch, max_rel_err):
+    """Factory: a saved checkpoint's logits on the padded batch, loaded sharded on each mesh of
+    {name: MeshConfig} (8 fake CPU devices), against loaded whole: {name: max_rel_err}."""
+    from logra_jax import models
+    from logra_jax.parallel import sharding as shd
+
+    def errors(directory, meshes: dict) -> dict[str, float]:
+        model, _, _ = models.load(directory)
+        tokens, mask = padded_batch
+        reference = forward(model, tokens, mask)
+        out = {}
+        for name, mesh_config in meshes.items():
+            mesh = shd.make_mesh(mesh_config)
+            graphdef, state = nnx.split(models.load(directory, shardings=mesh)[0])
+
+            def run(state, tokens, mask, graphdef=graphdef, mesh=mesh):
+                with shd.use_rules(mesh):
+                    return nnx.merge(graphdef, state)(tokens, attention_mask=mask)
+
+            logits = jax.jit(run, compiler_options=shd.FAST_CPU_COMPILE)(state, jnp.asarray(tokens), jnp.asarray(mask))
+            out[name] = max_rel_err(np.asarray(logits), reference, where=mask)
+        return out
+
+    return errors
+
+
+def _route(token: np.ndarray, router: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A token's experts and their weights in numpy: softmax over the router logits, the top k (stable order),
+    renormalised over the k when `normalize` (Qwen3-MoE's norm_topk_prob, Mixtral always)."""
+    logits = token @ router
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    chosen = np.argsort(-p, kind="stable")[:k]
+    return chosen, p[chosen] / (p[chosen].sum() if normalize else 1.0)
+
+
+@pytest.fixture(scope="session")
+def route_reference():
+    """The numpy routing of one token (`_route`): (its k experts, their weights)."""
+    return _route

@@ -83,22 +83,9 @@ def test_kv_cache_decode_equals_full_forward(case, checkpoint, forward, max_rel_
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
-def test_sharded_equals_unsharded(case, checkpoint, forward, padded_batch, max_rel_err):
-    directory = checkpoint(case)[1]
-    model, _, _ = models.load(directory)
-    tokens, mask = padded_batch
-    reference = forward(model, tokens, mask)
-    for name, mesh_config in MESHES.items():
-        mesh = shd.make_mesh(mesh_config)
-        sharded, _, _ = models.load(directory, shardings=mesh)
-        graphdef, state = nnx.split(sharded)
-
-        def run(state, tokens, mask, graphdef=graphdef, mesh=mesh):
-            with shd.use_rules(mesh):
-                return nnx.merge(graphdef, state)(tokens, attention_mask=mask)
-
-        logits = jax.jit(run, compiler_options=shd.FAST_CPU_COMPILE)(state, jnp.asarray(tokens), jnp.asarray(mask))
-        assert max_rel_err(np.asarray(logits), reference, where=mask) <= 1e-5, name
+def test_sharded_equals_unsharded(case, checkpoint, sharded_errors):
+    errors = sharded_errors(checkpoint(case)[1], MESHES)
+    assert max(errors.values()) <= 1e-5, errors
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)

@@ -105,22 +105,9 @@ def test_kv_cache_decode_equals_full_forward(case, checkpoint, forward, max_rel_
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-step3", "mixtral"])
-def test_sharded_equals_unsharded(case, checkpoint, forward, padded_batch, max_rel_err):
-    directory = checkpoint(case)[1]
-    model, _, _ = models.load(directory)
-    tokens, mask = padded_batch
-    reference = forward(model, tokens, mask)
-    for name, mesh_config in MESHES.items():
-        mesh = shd.make_mesh(mesh_config)
-        sharded, _, _ = models.load(directory, shardings=mesh)
-        graphdef, state = nnx.split(sharded)
-
-        def run(state, tokens, mask, graphdef=graphdef, mesh=mesh):
-            with shd.use_rules(mesh):
-                return nnx.merge(graphdef, state)(tokens, attention_mask=mask)
-
-        logits = jax.jit(run, compiler_options=shd.FAST_CPU_COMPILE)(state, jnp.asarray(tokens), jnp.asarray(mask))
-        assert max_rel_err(np.asarray(logits), reference, where=mask) <= 1e-5, name
+def test_sharded_equals_unsharded(case, checkpoint, sharded_errors):
+    errors = sharded_errors(checkpoint(case)[1], MESHES)
+    assert max(errors.values()) <= 1e-5, errors
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe-step3", "mixtral"])
@@ -160,15 +147,11 @@ def test_fused_expert_checkpoints_load_alike(case, checkpoint, tmp_path):
                                       err_msg=str(path))
 
 
-def _loop_reference(x, router, gate, up, down, k, normalize):
+def _loop_reference(route_reference, x, router, gate, up, down, k, normalize):
     """The MoE layer token by token in numpy float64: y = Σ_{e ∈ top-k} w_e · W_eᵀ(silu(G_eᵀ x) ⊙ U_eᵀ x)."""
     out = np.zeros_like(x)
     for n, token in enumerate(x):
-        logits = token @ router
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-        chosen = np.argsort(-p, kind="stable")[:k]
-        w = p[chosen] / (p[chosen].sum() if normalize else 1.0)
+        chosen, w = route_reference(token, router, k, normalize)
         for weight, e in zip(w, chosen):
             g = token @ gate[e]
             out[n] += weight * ((g / (1 + np.exp(-g)) * (token @ up[e])) @ down[e])
@@ -176,7 +159,7 @@ def _loop_reference(x, router, gate, up, down, k, normalize):
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-def test_moe_layer_equals_a_per_token_loop_and_its_gradient_a_dense_oracle(normalize, random_model):
+def test_moe_layer_equals_a_per_token_loop_and_its_gradient_a_dense_oracle(normalize, random_model, route_reference):
     """Values against a numpy loop over tokens and their chosen experts; the expert kernels' gradients against
     those of the dense form Σ_e mask_e · w_e · expert_e(x) (every expert on every token, weights zero where
     not chosen), the oracle ragged_dot must equal."""
@@ -190,7 +173,7 @@ def test_moe_layer_equals_a_per_token_loop_and_its_gradient_a_dense_oracle(norma
     kernels = [np.asarray(m.kernel[...], np.float64) for m in (layer.router, layer.gate_proj, layer.up_proj,
                                                                 layer.down_proj)]
     y, logits = layer(jnp.asarray(x))
-    expected = _loop_reference(x.reshape(-1, config.hidden_size).astype(np.float64), *kernels,
+    expected = _loop_reference(route_reference, x.reshape(-1, config.hidden_size).astype(np.float64), *kernels,
                                config.experts_per_token, normalize)
     np.testing.assert_allclose(np.asarray(y).reshape(expected.shape), expected, rtol=1e-4, atol=1e-5)
     assert logits.shape == (2, 9, config.num_experts)

@@ -27,18 +27,14 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def _expert_gradients(x, router, gate, up, down, cotangent, k, normalize):
+def _expert_gradients(route_reference, x, router, gate, up, down, cotangent, k, normalize):
     """Per-expert kernel gradients [E, in, out] of Σ y ⊙ cotangent in numpy float64, each expert summing over
     only the (token, slot) pairs routed to it: with weight w, g = Gᵀx, u = Uᵀx, h = silu(g) ⊙ u and c = w·cotangent,
     ∂down = h ⊗ c, ∂up = x ⊗ (W c ⊙ silu(g)), ∂gate = x ⊗ (W c ⊙ u ⊙ silu'(g)). Also the tokens per expert."""
     grads = [np.zeros_like(gate), np.zeros_like(up), np.zeros_like(down)]
     counts = np.zeros(gate.shape[0], int)
     for token, cot in zip(x, cotangent):
-        logits = token @ router
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-        chosen = np.argsort(-p, kind="stable")[:k]
-        w = p[chosen] / (p[chosen].sum() if normalize else 1.0)
+        chosen, w = route_reference(token, router, k, normalize)
         for weight, e in zip(w, chosen):
             counts[e] += 1
             g, u = token @ gate[e], token @ up[e]
@@ -80,7 +76,7 @@ def _kernel_grads(layer, x, cotangent):
     return pure, jax.grad(loss)(pure)
 
 
-def test_each_expert_sketch_is_its_tokens_gradient_times_its_projection():
+def test_each_expert_sketch_is_its_tokens_gradient_times_its_projection(route_reference):
     """S_e = G_e·A_eᵀ per expert (fp32 against float64 numpy, 1e-6 of the largest entry), where G_e sums over
     the expert's tokens only and A_e is drawn from the seed path "<kernel>.e"; the unused expert's sketch is 0."""
     unused = 3
@@ -88,7 +84,7 @@ def test_each_expert_sketch_is_its_tokens_gradient_times_its_projection():
     params, grads = _kernel_grads(layer, x, cotangent)
     kernels = [np.asarray(params[n]["kernel"], np.float64) for n in ("router", *EXPERTS)]
     flat = lambda a: a.reshape(-1, config.hidden_size).astype(np.float64)
-    oracle, counts = _expert_gradients(flat(x), *kernels, flat(cotangent), config.experts_per_token,
+    oracle, counts = _expert_gradients(route_reference, flat(x), *kernels, flat(cotangent), config.experts_per_token,
                                        config.norm_topk_prob)
     assert counts[unused] == 0 and (counts[np.arange(4) != unused] > 0).all(), counts
 
