@@ -109,6 +109,9 @@ class MoE(nnx.Module):
         self.gate_proj = ExpertLinear(E, d, f, axes=("embed", "mlp"), stack=stack, rngs=rngs)
         self.up_proj = ExpertLinear(E, d, f, axes=("embed", "mlp"), stack=stack, rngs=rngs)
         self.down_proj = ExpertLinear(E, f, d, axes=("mlp", "embed"), stack=stack, rngs=rngs)
+        # Installed by expert parallelism: a callable (flat [N, D], weights [N, k], ids [N, k]) -> y [N, D] that
+        # replaces `experts` (the same contract), computing each expert where its kernels live.
+        self.dispatch_hook = None
 
     def router_logits(self, x: jax.Array) -> jax.Array:
         """float32 router logits [..., E] of x [..., D]."""
@@ -123,13 +126,21 @@ class MoE(nnx.Module):
             flat = x.reshape(B * T, D)
             logits = self.router_logits(flat)
             weights, ids = route(logits, self.k, self.normalize)
-            # Sort the N·k (token, slot) pairs by expert: each expert's rows are contiguous for ragged_dot.
-            order = jnp.argsort(ids.reshape(-1), stable=True)
-            group_sizes = jnp.bincount(ids.reshape(-1), length=E).astype(jnp.int32)
-            rows = jnp.take(flat, order // self.k, axis=0)
-            h = jax.nn.silu(self.gate_proj(rows, group_sizes)) * self.up_proj(rows, group_sizes)
-            out = self.down_proj(h, group_sizes)
-            # Back to (token, slot) order, then the weighted sum over each token's k experts.
-            out = jnp.take(out, jnp.argsort(order), axis=0).reshape(B * T, self.k, D)
-            y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype))
+            dispatch = self.experts if self.dispatch_hook is None else self.dispatch_hook
+            y = dispatch(flat, weights, ids)
             return constrain(y.reshape(B, T, D), ("batch", "length", "act_embed")), logits.reshape(B, T, E)
+
+    def experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """The routed experts' weighted sum [N, D] for tokens flat [N, D] routed to experts ids [N, k] with weights
+        [N, k], on the devices that hold the tokens (every expert's kernels gathered there)."""
+        N, D = flat.shape
+        E = self.router.kernel.shape[-1]
+        # Sort the N·k (token, slot) pairs by expert: each expert's rows are contiguous for ragged_dot.
+        order = jnp.argsort(ids.reshape(-1), stable=True)
+        group_sizes = jnp.bincount(ids.reshape(-1), length=E).astype(jnp.int32)
+        rows = jnp.take(flat, order // self.k, axis=0)
+        h = jax.nn.silu(self.gate_proj(rows, group_sizes)) * self.up_proj(rows, group_sizes)
+        out = self.down_proj(h, group_sizes)
+        # Back to (token, slot) order, then the weighted sum over each token's k experts.
+        out = jnp.take(out, jnp.argsort(order), axis=0).reshape(N, self.k, D)
+        return jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype))
