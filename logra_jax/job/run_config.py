@@ -205,7 +205,10 @@ class RolloutSection:
     engine: "jax" (ours, colocated or a worker process by `workers`) or "vllm" (vLLM in its own process from the
     venv of `make venv-vllm`, fed by low-rank sync); vllm_<field>: what the job passes to vLLM, the fields of
     `logra_jax.rollout.vllm.settings.VLLMSettings` (its interpreter, tensor parallel size, GPU memory fraction, dtype,
-    max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES)."""
+    max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES).
+    routing_replay: an MoE model's train step routes each token by the experts the engine chose for it (recorded
+    by the JAX engine with every MoE rollout), the router still weighing them (`logra_jax.models.moe.route`);
+    not available with engine="vllm"."""
 
     prompts_per_step: int = 16
     num_samples: int = 4
@@ -227,6 +230,7 @@ class RolloutSection:
     vllm_max_seqs: int = _VLLM.max_seqs
     vllm_kv_cache_gib: int = _VLLM.kv_cache_gib
     vllm_devices: str = _VLLM.devices
+    routing_replay: bool = False
 
     @property
     def per_layer(self) -> bool | None:
@@ -258,6 +262,10 @@ class RolloutSection:
         _check_range("rollout", "decode_tensor", self.decode_tensor, 0)
         _check_choice("rollout", "decode_layers", self.decode_layers, tuple(DECODE_LAYERS))
         _check_choice("rollout", "engine", self.engine, ("jax", "vllm"))
+        _check_choice("rollout", "routing_replay", self.routing_replay, (False, True))
+        if self.routing_replay and self.engine == "vllm":
+            _fail("rollout.routing_replay", self.routing_replay, "needs rollout.engine='jax' (the engine that "
+                  "records each token's experts; the vLLM engine does not return them)")
         if self.engine == "vllm":
             if self.workers:
                 _fail("rollout.workers", self.workers, "applies to rollout.engine='jax' (vLLM runs in its own "
