@@ -299,20 +299,102 @@ def find_targets(params: Any, rules: Sequence[TargetRule] = DEFAULT_TARGET_RULES
     return found
 
 
-def check_rank_fits(targets: Mapping[str, Target] | Iterable[Target], rank: int) -> None:
-    """Raise ValueError if the sketch rank r exceeds the width k of any target.
+@dataclasses.dataclass(frozen=True)
+class RankRule:
+    """Targets whose canonical path matches `pattern` (re.search, like TargetRule) take sketch rank `rank`.
+
+    A SketchSpec's rank rules are tried in order and the first match wins; a target no rule matches takes the
+    spec's `rank`. Every batch slice of a target (each layer, each expert) shares its rank: the factor of a
+    target is one array (*batch, *rows, r).
+
+    Example:
+      >>> str(RankRule("mlp", 8))
+      'mlp=8'
+    """
+
+    pattern: str
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise TypeError(f"RankRule.pattern must be a non-empty str, got {self.pattern!r}")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"RankRule.pattern {self.pattern!r} is not a valid regex: {e}") from e
+        if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
+            raise ValueError(f"RankRule {self.pattern!r}: rank must be a positive int, got {self.rank!r}")
+        object.__setattr__(self, "rank", int(self.rank))
+
+    def __str__(self) -> str:
+        return f"{self.pattern}={self.rank}"
+
+
+def parse_rank_rules(rules: str | Mapping[str, int] | Iterable[Any]) -> tuple[RankRule, ...]:
+    """Rank rules from their text "pattern=rank, pattern=rank, ..." (a pattern holds no ','; it may hold '=',
+    the rank follows the last one), a {pattern: rank} mapping (in its order), or RankRules / (pattern, rank)
+    pairs. "" or an empty mapping: no rule.
+
+    Raises:
+      ValueError: an item without "=rank", a rank that is not a positive integer, an invalid regex or a pattern
+        given twice (the message names the item).
+
+    Example:
+      >>> [str(r) for r in parse_rank_rules("mlp=8, attn=16")]
+      ['mlp=8', 'attn=16']
+    """
+    if isinstance(rules, str):
+        pairs = []
+        for item in (x.strip() for x in rules.split(",")):
+            if not item:
+                continue
+            pattern, eq, rank = item.rpartition("=")
+            if not eq or not pattern.strip() or not rank.strip().lstrip("+").isdigit():
+                raise ValueError(f"rank rule {item!r} is not 'pattern=rank' with a positive integer rank")
+            pairs.append((pattern.strip(), int(rank)))
+    elif isinstance(rules, Mapping):
+        pairs = list(rules.items())
+    else:
+        pairs = [(r.pattern, r.rank) if isinstance(r, RankRule) else tuple(r) for r in rules]
+    out = tuple(RankRule(*pair) for pair in pairs)
+    patterns = [r.pattern for r in out]
+    twice = sorted({p for p in patterns if patterns.count(p) > 1})
+    if twice:
+        raise ValueError(f"rank rules give the pattern(s) {twice} twice (the first match wins: drop the others)")
+    return out
+
+
+def resolve_rank(path: str, rank: int, rank_rules: Sequence[RankRule] = ()) -> tuple[int, RankRule | None]:
+    """(the sketch rank of the target at canonical `path`, the rule that gave it or None for the default `rank`).
+
+    Example:
+      >>> resolve_rank("blocks.mlp.up_proj.kernel", 16, (RankRule("attn", 4), RankRule("mlp", 8)))
+      (8, RankRule(pattern='mlp', rank=8))
+    """
+    for rule in rank_rules:
+        if re.search(rule.pattern, path) is not None:
+            return rule.rank, rule
+    return rank, None
+
+
+def check_rank_fits(targets: Mapping[str, Target] | Iterable[Target], rank: int,
+                    rank_rules: Sequence[RankRule] = ()) -> None:
+    """Raise ValueError if a target's sketch rank exceeds its width k, or a rank rule gives no target its rank.
 
     The projection A [r, k] of a target spans at most k directions: with r > k the sketch S = G Aᵀ [d, r] has
     r − k redundant columns (memory and compute for nothing) and RowAdam's moments are no longer those of a
-    rank-r sketch. k is the product of the target's width axes (`Target.k`, from its MatrixDims).
+    rank-r sketch. k is the product of the target's width axes (`Target.k`, from its MatrixDims). Each target's
+    rank is the first matching rank rule's, else `rank` (`resolve_rank`).
 
     Args:
       targets: {path: Target} as returned by `find_targets`, or Targets.
-      rank: the sketch rank r.
+      rank: the sketch rank r of targets no rank rule matches.
+      rank_rules: RankRule sequence (first match wins).
 
     Raises:
-      ValueError: naming the narrowest target (path, shape, width k) when `rank` exceeds it, and how many are
-        narrower than the rank.
+      ValueError: a rank rule that gives no target its rank (it matches none, or only targets an earlier rule
+        took), naming the rule and the targets; or, naming the narrowest target (path, shape, width k) and the
+        rule that set its rank, a rank above a target's width, with how many targets are narrower than it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -322,16 +404,31 @@ def check_rank_fits(targets: Mapping[str, Target] | Iterable[Target], rank: int)
       Traceback (most recent call last):
       ...
       ValueError: rank 16 exceeds the width k = 8 of target 'q_proj.kernel' (shape (8, 4), width axes (0,); ...
+      >>> check_rank_fits(targets, 16, (RankRule("q_proj", 32),))
+      Traceback (most recent call last):
+      ...
+      ValueError: rank rule 'q_proj=32': rank 32 exceeds the width k = 8 of target 'q_proj.kernel' ...
     """
-    values = targets.values() if isinstance(targets, Mapping) else targets
-    narrow = [t for t in values if rank > t.k]
-    if narrow:
-        t = min(narrow, key=lambda x: x.k)  # the narrowest (the first of them in order on a tie)
-        raise ValueError(
-            f"rank {rank} exceeds the width k = {t.k} of target {t.path!r} (shape {t.shape}, width axes "
-            f"{t.dims.width}; {len(narrow)} target(s) narrower than the rank): the projection A [r, k] spans at "
-            f"most k directions. Choose rank <= {min(x.k for x in narrow)}, or leave such parameters out of the "
-            "target rules.")
+    values = list(targets.values() if isinstance(targets, Mapping) else targets)
+    groups: dict[RankRule | None, list[Target]] = {rule: [] for rule in rank_rules}
+    for t in values:
+        r, rule = resolve_rank(t.path, rank, rank_rules)
+        groups.setdefault(rule, []).append(t)
+    for rule in rank_rules:
+        if not groups[rule]:
+            raise ValueError(f"rank rule {str(rule)!r} gives no target its rank: its pattern matches none of the "
+                             f"targets {[t.path for t in values]} that an earlier rule did not take")
+    for rule, group in groups.items():
+        r = rank if rule is None else rule.rank
+        narrow = [t for t in group if r > t.k]
+        if narrow:
+            t = min(narrow, key=lambda x: x.k)  # the narrowest (the first of them in order on a tie)
+            where = "" if rule is None else f"rank rule {str(rule)!r}: "
+            raise ValueError(
+                f"{where}rank {r} exceeds the width k = {t.k} of target {t.path!r} (shape {t.shape}, width axes "
+                f"{t.dims.width}; {len(narrow)} target(s) narrower than the rank): the projection A [r, k] spans "
+                f"at most k directions. Choose rank <= {min(x.k for x in narrow)}, give such targets a smaller rank "
+                "by a rank rule, or leave them out of the target rules.")
 
 
 def _named_sharding(x: Any) -> NamedSharding | None:
