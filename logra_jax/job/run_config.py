@@ -21,6 +21,7 @@ from logra_jax.kernels.backend import IMPLEMENTATIONS
 from logra_jax.optim.projection import DISTRIBUTIONS
 from logra_jax.optim.row_adam import VARIANTS as ROW_ADAM_VARIANTS
 from logra_jax.optim.spec import SketchSpec
+from logra_jax.optim.targets import parse_rank_rules
 from logra_jax.optim.update_ratio import SCOPES
 from logra_jax.parallel.sharding import MeshConfig
 from logra_jax.rl.advantages import ESTIMATORS, WHITENINGS
@@ -339,8 +340,12 @@ class OptimizerSection:
     and grad_clip (0 = off), AdamW also adam_b1 (its β₁; 0 drops the first moment, as RowAdam has none),
     Adafactor learning_rate; AdamW with targets_only trains exactly LoGRA's targets (the rest frozen);
     row_adam is LoGRA's RowAdam and update_ratio on the targets' dense gradients (no sketch; b2, eps);
-    GaLore also rank. LoGRA: rank, variant, update_ratio (paper/sgd) and ratio_scope ("global" as in the paper, or
-    "layer": each layer moves by update_ratio of its own norm), learning_rate (nemo), refresh and
+    GaLore also rank. LoGRA: rank, rank_rules (per-target ranks: "pattern=rank, pattern=rank, ...", each
+    pattern a regex searched in a target's parameter path, e.g. "mlp=8" for the MoE experts'
+    "blocks.mlp.gate_proj.kernel"; the first matching rule gives the target its rank, the others take rank;
+    "" = none; every rule must give some target its rank and every rank must fit its target's width, checked
+    against the model when the optimizer is built), variant, update_ratio (paper/sgd) and ratio_scope ("global"
+    as in the paper, or "layer": each layer moves by update_ratio of its own norm), learning_rate (nemo), refresh and
     refresh_every (new projections every κ steps; refresh=False holds those of step 0 for ever), momentum (β₁ of
     the first moment kept in sketch coordinates and carried across projection changes; 0 = none, the paper's),
     distribution, base_seed, b2, eps, round_bf16 (None: the variant's convention, bf16 for paper/sgd and fp32 for
@@ -362,6 +367,7 @@ class OptimizerSection:
     grad_clip: float = 0.0
     adam_b1: float = 0.9
     rank: int = 64
+    rank_rules: str = ""
     variant: str = "paper"
     update_ratio: float = 6e-5
     ratio_scope: str = "global"
@@ -406,6 +412,12 @@ class OptimizerSection:
         _check_range("optimizer", "grad_clip", self.grad_clip, 0.0)
         _check_range("optimizer", "adam_b1", self.adam_b1, 0.0, 1.0, hi_open=True)
         _check_range("optimizer", "rank", self.rank, 1)
+        try:
+            parse_rank_rules(self.rank_rules)
+        except ValueError as e:
+            _fail("optimizer.rank_rules", self.rank_rules, str(e))
+        if self.rank_rules.strip() and self.name != "logra":
+            _fail("optimizer.rank_rules", self.rank_rules, "per-target ranks are LoGRA's (optimizer.name='logra')")
         _check_range("optimizer", "update_ratio", self.update_ratio, 0.0, lo_open=True)
         _check_range("optimizer", "base_seed", self.base_seed, 0)
         _check_range("optimizer", "b2", self.b2, 0.0, 1.0, lo_open=True, hi_open=True)
