@@ -114,6 +114,10 @@ FIELD_MEANINGS: dict[str, str] = {
     "optimizer.grad_clip": "Global-norm gradient clipping for AdamW and GaLore (0 = off).",
     "optimizer.adam_b1": "AdamW's β₁ (0 drops the first moment, as RowAdam has none).",
     "optimizer.rank": "Sketch rank r of LoGRA (method §2; the paper uses 256), and GaLore's rank.",
+    "optimizer.rank_rules": "Per-target LoGRA ranks, `\"pattern=rank, pattern=rank\"`: a target whose parameter path "
+                            "a pattern (regex) matches takes the first such rule's rank, the others `optimizer.rank` "
+                            "(e.g. `\"mlp=8\"` gives MoE experts rank 8); each rule must match a target and each rank "
+                            "fit its target's width. `\"\"`: none.",
     "optimizer.variant": "RowAdam variant, one of {ROW_ADAM_VARIANTS} (method §4).",
     "optimizer.update_ratio": "Update-to-weight norm ratio of the `paper` and `sgd` variants (method §4).",
     "optimizer.ratio_scope": "One of {SCOPES}: `global` (the paper's, one ratio for all targets together) or "
