@@ -72,13 +72,16 @@ _GENERATOR_FIELDS = tuple(f.name for f in dataclasses.fields(TaskSpec))
 class ModelSection:
     """preset: named ModelConfig; checkpoint: HF directory or GGUF file (overrides preset; "" = random init);
     overrides: ModelConfig fields to change (e.g. {"num_layers": 4, "dtype": "bfloat16"});
-    tokenizer: "char" (synthetic tasks) or "checkpoint"; init_seed: random-init seed."""
+    tokenizer: "char" (synthetic tasks) or "checkpoint"; init_seed: random-init seed; expert_parallel: an MoE
+    model's experts split over the fsdp mesh axis, each computed where it lives (logra_jax.models.expert_parallel;
+    False: every expert's width over fsdp, gathered where the tokens are)."""
 
     preset: str = "tiny"
     checkpoint: str = ""
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     tokenizer: str = "char"
     init_seed: int = 0
+    expert_parallel: bool = False
 
     def validate(self) -> None:
         from logra_jax.models.config import PRESETS, preset
@@ -91,9 +94,12 @@ class ModelSection:
                   "for GPUs by logra_jax.rollout.engine); the trained model keeps its layers stacked")
         if not self.checkpoint:
             try:
-                preset(self.preset, **dict(self.overrides))
+                config = preset(self.preset, **dict(self.overrides))
             except ValueError as err:
                 _fail("model.overrides", dict(self.overrides), str(err))
+            if self.expert_parallel and not config.moe:
+                _fail("model.expert_parallel", self.expert_parallel, f"needs a mixture-of-experts model; preset "
+                      f"{self.preset!r} has no experts")
 
 
 @dataclasses.dataclass(frozen=True)
