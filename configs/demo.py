@@ -17,24 +17,42 @@ The paper's rule (fresh projections every step, no momentum) is two overrides aw
 --config.optimizer.momentum=0 --config.optimizer.refresh=True; the predicted-KL controller one more:
 --config.optimizer.kl_control=True --config.optimizer.kl_budget=0.32 --config.optimizer.ratio_scope=global.
 
+The mixture-of-experts demo (variant "moe"): the same task, SFT and RL recipe on a Qwen3-MoE decoder of the same
+size (preset tiny-qwen3-moe at the demo's shapes: hidden 128, 4 layers, the same attention plus Qwen3's q/k norm),
+every MLP 4 experts of width 192 with top-2 routing (weights renormalised). A token's active MLP is 2 × 3 × 128 ×
+192 = 147,456 weights per layer, the dense demo's 3 × 128 × 384 exactly (0.81 M active of 1.40 M parameters, dense
+0.80 M); rank 64 fits the expert width (down_proj's sketch spans its 192 inputs). LoGRA sketches each expert from its
+own tokens; the routers stay frozen with the other non-targets (optimizer.non_targets="router" trains them). XLA:CPU
+lowers the grouped expert matmul to a dense masked product over all 4 experts, so its MLP costs twice the dense
+demo's here.
+
 Run:   python -m logra_jax.main --config=configs/demo.py --workdir=runs/demo     (what `make demo` does)
 Quick: python -m logra_jax.main --config=configs/demo.py:runlocal --workdir=/tmp/demo
+MoE:   python -m logra_jax.main --config=configs/demo.py:moe --workdir=runs/demo-moe
+       python -m logra_jax.main --config=configs/demo.py:moe,runlocal --workdir=/tmp/demo-moe
 """
 
 import ml_collections
 
 from logra_jax.job.run_config import RunConfig, check_variant
 
-VARIANTS = ("", "runlocal")
+VARIANTS = ("", "runlocal", "moe", "moe,runlocal")
+# The MoE demo model (variant "moe"): the dense demo's decoder with every MLP a Qwen3-MoE layer of 4 experts of
+# width 192, top-2 (the module docstring says why).
+MOE_OVERRIDES = dict(num_experts=4, experts_per_token=2, expert_intermediate_size=192)
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     check_variant(__file__, arg, VARIANTS)
+    moe = arg.split(",")[0] == "moe"
     c = ml_collections.ConfigDict(RunConfig().to_dict())  # every field, so any can be overridden on the CLI
     c.optimizer.round_bf16 = ml_collections.config_dict.placeholder(bool)  # None: the variant's own; CLI-settable
     c.model.update(preset="tiny", tokenizer="char", init_seed=0,
                    overrides=dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
                                   num_kv_heads=2, head_dim=32, max_seq_len=64))
+    if moe:
+        c.model.preset = "tiny-qwen3-moe"
+        c.model.overrides = {**c.model.overrides, **MOE_OVERRIDES}
     c.task.update(kind="arithmetic", difficulty=2, operations="+", carries="some", train_size=4096, eval_size=256,
                   prompt_style="compact", seed=0)
     # max_final_loss: a warm start that ends on one of the SFT's plateaus (loss ≈ 0.5-1.1) stops the run, naming the
@@ -50,7 +68,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
                        kl_control=False, kl_budget=2e-2, kl_budget_final=5e-3, kl_schedule_steps=200,
                        probe_responses=8)
     c.train.update(steps=200, microbatches=2, seed=0, eval_every=50, checkpoint_every=50, keep_checkpoints=2)
-    if arg == "runlocal":
+    if arg.endswith("runlocal"):
         c.sft.steps = 20
         c.sft.max_final_loss = 0.0  # 20 steps check the plumbing, not the learning
         c.task.eval_size = 32

@@ -69,6 +69,6 @@ def test_typo_on_the_command_line_is_an_error(monkeypatch):
     monkeypatch.setattr("sys.argv", argv)  # config_flags reads overrides from sys.argv
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", flag_values=flag_values)
-    expected = r"demo\.py: unknown variant 'runlcoal'; valid variants: \['', 'runlocal'\]"
+    expected = r"demo\.py: unknown variant 'runlcoal'; valid variants: \['', 'runlocal', 'moe', 'moe,runlocal'\]"
     with pytest.raises(flags.IllegalFlagValueError, match=expected):
         flag_values(argv)
