@@ -79,6 +79,11 @@ class Rollout(NamedTuple):
       logprobs: [B·n, N] float32, log softmax(z/τ) at the sampled tokens (0 outside response_mask).
       lengths: [B·n] int32, response lengths (EOS included).
       finished: [B·n] bool, the response ended with EOS (False: cut at max_new_tokens).
+      experts: [B·n, P + N, MoE layers, k] (uint8 up to 256 experts, `models.moe.expert_id_dtype`), the experts
+        the engine's routers chose for tokens[:, t] in each MoE layer (for routing replay); None from a dense model
+        or an engine that does not record them (vLLM). Recorded where the engine ran the token: real prompt tokens
+        (its prefill) and every response token but the last; 0, …, k − 1 elsewhere (padding, the last token: no
+        response log-prob depends on their routing).
     """
 
     tokens: jax.Array
@@ -87,6 +92,7 @@ class Rollout(NamedTuple):
     logprobs: jax.Array
     lengths: jax.Array
     finished: jax.Array
+    experts: jax.Array | None = None
 
     def attention_mask(self) -> jax.Array:
         """[B·n, P + N] bool: real prompt and response tokens (the mask for a teacher-forced forward)."""
@@ -94,8 +100,8 @@ class Rollout(NamedTuple):
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> Rollout:
-        """The rollout an engine process sent back (its fields as host arrays, by name)."""
-        return cls(**{name: jnp.asarray(arrays[name]) for name in cls._fields})
+        """The rollout an engine process sent back (its fields as host arrays, by name; `experts` optional)."""
+        return cls(**{name: jnp.asarray(arrays[name]) for name in cls._fields if name in arrays or name != "experts"})
 
 
 def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
