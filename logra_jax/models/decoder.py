@@ -75,21 +75,23 @@ class Block(nnx.Module):
         self.mlp = MoE(config, stack=stack, rngs=rngs) if moe else MLP(config, stack=stack, rngs=rngs)
         self.post_mlp_norm = norm() if config.post_norms else None
 
-    def __call__(self, x, positions, q_slots, key_valid, cache=None, write_index=None, layer=None):
-        """(y, cache, router logits [B, T, E] of an MoE block, else None)."""
+    def __call__(self, x, positions, q_slots, key_valid, cache=None, write_index=None, layer=None, replay=None):
+        """(y, cache, routing): routing = (router logits [B, T, E], the router's own top-k ids [B, T, k]) of an MoE
+        block, else None. replay: expert ids [B, T, k] the MoE routes by instead of its own (routing replay)."""
         h, cache = self.attn(self.attn_norm(x), positions, q_slots, key_valid, cache, write_index, layer)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = constrain(x + h, ("batch", "length", "act_embed"))
-        router_logits = None
+        routing = None
         if isinstance(self.mlp, MoE):
-            h, router_logits = self.mlp(self.mlp_norm(x))
+            h, logits, ids = self.mlp.routed(self.mlp_norm(x), replay)
+            routing = (logits, ids)
         else:
             h = self.mlp(self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         x = constrain(x + h, ("batch", "length", "act_embed"))
-        return x, cache, router_logits
+        return x, cache, routing
 
 
 _REMAT_POLICIES = {
@@ -137,44 +139,58 @@ class Decoder(nnx.Module):
             return self.embed.embedding[...].T
         return self.lm_head.kernel[...]
 
-    def _run_blocks(self, x, positions, q_slots, key_valid, cache: KVCache | None):
-        """(x, the new cache's (k, v) or None, router logits [L, B, T, E] of an MoE model or None)."""
-        if self.config.decode_unroll:
+    def _run_blocks(self, x, positions, q_slots, key_valid, cache: KVCache | None, experts: jax.Array | None = None):
+        """(x, the new cache's (k, v) or None, routing of an MoE model or None: (router logits [L', B, T, E], the
+        routers' own top-k ids [L', B, T, k]) over its L' = L / moe_layer_step MoE layers).
+
+        experts: [B, T, L', k] expert ids to route by (routing replay), MoE layer j's ids experts[:, :, j]; each
+        layer (or group) of the scan takes its own [B, T, k] slice, nothing wider is formed."""
+        c = self.config
+        if experts is not None:
+            moe_layers = c.num_layers // c.moe_layer_step if c.moe else 0
+            want = (*x.shape[:2], moe_layers, c.experts_per_token)
+            if not c.moe or experts.shape != want:
+                raise ValueError(f"Decoder: experts (replayed expert ids) must be [B, T, MoE layers, k] = {want} "
+                                 f"for architecture={c.architecture!r}, got {experts.shape}")
+            experts = jnp.moveaxis(experts, 2, 0)  # [L', B, T, k]: the scan's per-layer slices
+        if c.decode_unroll:
             # The layers unrolled, each reading its own weights and its own k, v buffers (a per-layer cache) in place.
-            ks, vs, routers = [], [], []
+            ks, vs, routings = [], [], []
             for layer, block in enumerate(self.blocks):
                 kv = None if cache is None else (cache.k[layer], cache.v[layer])
-                x, kv, router = block(x, positions, q_slots, key_valid, kv, None if cache is None else cache.index,
-                                      layer)
-                routers.append(router)
+                replay = None if experts is None else experts[layer]
+                x, kv, routing = block(x, positions, q_slots, key_valid, kv, None if cache is None else cache.index,
+                                       layer, replay)
+                routings.append(routing)
                 if kv is not None:
                     ks.append(kv[0])
                     vs.append(kv[1])
-            router_logits = jnp.stack(routers) if self.config.moe else None
-            return x, None if cache is None else (tuple(ks), tuple(vs)), router_logits
+            routing = jax.tree.map(lambda *a: jnp.stack(a), *routings) if c.moe else None
+            return x, None if cache is None else (tuple(ks), tuple(vs)), routing
 
         if self.moe_blocks is not None:
-            return self._run_groups(x, positions, q_slots, key_valid, cache)
+            return self._run_groups(x, positions, q_slots, key_valid, cache, experts)
         graphdef, state = nnx.split(self.blocks)
         # The cache [L, B, S, Hkv, hd] rides in the carry: each layer scatters its new rows into it in place and
         # reads its own slice (no per-layer copy of the cache in or out of the scan).
         def body(carry, xs):
             h, stacks = carry
-            layer_state, layer = xs
+            layer_state, layer, replay = xs
             block = nnx.merge(graphdef, layer_state)
             index = None if cache is None else cache.index
-            h, stacks, router_logits = block(h, positions, q_slots, key_valid, stacks, index, layer)
-            return (h, stacks), router_logits
+            h, stacks, routing = block(h, positions, q_slots, key_valid, stacks, index, layer, replay)
+            return (h, stacks), routing
 
-        if self.config.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
+        if c.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[c.remat], prevent_cse=False)
         stacks = None if cache is None else (cache.k, cache.v)
-        (x, stacks), router_logits = jax.lax.scan(body, (x, stacks), (state, jnp.arange(self.config.num_layers)))
-        return x, stacks, router_logits
+        (x, stacks), routing = jax.lax.scan(body, (x, stacks), (state, jnp.arange(c.num_layers), experts))
+        return x, stacks, routing
 
-    def _run_groups(self, x, positions, q_slots, key_valid, cache: KVCache | None):
+    def _run_groups(self, x, positions, q_slots, key_valid, cache: KVCache | None, experts: jax.Array | None):
         """`_run_blocks` with moe_layer_step = s > 1: a scan over the L / s groups of layers g·s … g·s + s − 1, each
-        s − 1 dense layers (`blocks`, stacked [L − L/s]) and then one MoE layer (`moe_blocks`, stacked [L/s])."""
+        s − 1 dense layers (`blocks`, stacked [L − L/s]) and then one MoE layer (`moe_blocks`, stacked [L/s]) routed
+        by experts[g] when replaying."""
         s = self.config.moe_layer_step
         groups = self.config.num_layers // s
         dense_graph, dense_state = nnx.split(self.blocks)
@@ -184,34 +200,50 @@ class Decoder(nnx.Module):
 
         def body(carry, xs):
             h, stacks = carry
-            dense, moe, group = xs
+            dense, moe, group, replay = xs
             for j in range(s - 1):
                 block = nnx.merge(dense_graph, jax.tree.map(lambda a, j=j: a[j], dense))
                 h, stacks, _ = block(h, positions, q_slots, key_valid, stacks, index, group * s + j)
             block = nnx.merge(moe_graph, moe)
-            h, stacks, router_logits = block(h, positions, q_slots, key_valid, stacks, index, group * s + s - 1)
-            return (h, stacks), router_logits
+            h, stacks, routing = block(h, positions, q_slots, key_valid, stacks, index, group * s + s - 1, replay)
+            return (h, stacks), routing
 
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         stacks = None if cache is None else (cache.k, cache.v)
-        (x, stacks), router_logits = jax.lax.scan(body, (x, stacks), (dense_state, moe_state, jnp.arange(groups)))
-        return x, stacks, router_logits
+        (x, stacks), routing = jax.lax.scan(body, (x, stacks),
+                                            (dense_state, moe_state, jnp.arange(groups), experts))
+        return x, stacks, routing
 
     def features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, experts: jax.Array | None = None) -> jax.Array:
         """Final-norm hidden states [B, T, D] in the compute dtype.
 
         attention_mask [B, T] (1 = real token) masks padding keys; positions default to the count of real
-        tokens before each one (so left- and right-padded batches get the same positions as unpadded ones).
+        tokens before each one (so left- and right-padded batches get the same positions as unpadded ones);
+        experts [B, T, MoE layers, k]: expert ids every MoE layer routes by (routing replay, `routed_features`).
+        """
+        return self.routed_features(tokens, attention_mask=attention_mask, positions=positions, experts=experts)[0]
+
+    def routed_features(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                        positions: jax.Array | None = None, experts: jax.Array | None = None
+                        ) -> tuple[jax.Array, jax.Array | None]:
+        """(`features`, the routers' own top-k expert ids [B, T, L / moe_layer_step, k] int32, None for a dense
+        model). With `experts` (routing replay: ids a rollout engine recorded, any integer dtype) MoE layer j
+        routes token t to experts[:, t, j] with the router's weights for them (`moe.route`); the ids returned
+        are still what each router would have chosen on the replayed forward (so the replay's effect can be
+        measured).
+
+        Raises:
+          ValueError: experts given to a dense model, or not [B, T, MoE layers, k].
         """
         B, T = tokens.shape
         mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         x = self._embed(tokens)
-        x, _, _ = self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None)
-        return self.final_norm(x)
+        x, _, routing = self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None, experts)
+        return self.final_norm(x), None if routing is None else jnp.moveaxis(routing[1], 0, 2)
 
     def router_logits(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None) -> jax.Array:
         """Every MoE layer's float32 router logits [L / moe_layer_step, B, T, E] (for `moe.load_balancing_loss`).
@@ -225,7 +257,7 @@ class Decoder(nnx.Module):
         mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
         positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         x = self._embed(tokens)
-        return self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None)[2]
+        return self._run_blocks(x, positions, jnp.broadcast_to(jnp.arange(T), (B, T)), mask, None)[2][0]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] from hidden states [..., D]."""
@@ -234,8 +266,9 @@ class Decoder(nnx.Module):
         return constrain(out, ("batch", "length", "act_vocab")) if out.ndim == 3 else out
 
     def __call__(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        return self.logits(self.features(tokens, attention_mask=attention_mask, positions=positions))
+                 positions: jax.Array | None = None, experts: jax.Array | None = None) -> jax.Array:
+        return self.logits(self.features(tokens, attention_mask=attention_mask, positions=positions,
+                                         experts=experts))
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         x = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.compute_dtype)
@@ -265,18 +298,26 @@ class Decoder(nnx.Module):
         (T = 1). Row b's tokens are written at slots cache.index[b] … + T − 1 and each row keeps its own positions;
         a row whose tokens are all masked (a finished sequence fed padding) writes invalid slots and keeps its index.
         """
+        logits, new_cache, _ = self.routed_forward_cached(tokens, cache, attention_mask=attention_mask)
+        return logits, new_cache
+
+    def routed_forward_cached(self, tokens: jax.Array, cache: KVCache, *, attention_mask: jax.Array | None = None
+                              ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """`forward_cached` and the expert ids every MoE layer's router chose for each token, [B, T,
+        L / moe_layer_step, k] int32 (None for a dense model): what a rollout engine records for routing
+        replay."""
         B, T = tokens.shape
         mask = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
         positions = cache.positions[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         valid = write_rows(cache.valid, mask, cache.index)
         q_slots = cache.index[:, None] + jnp.arange(T)
         x = self._embed(tokens)
-        x, (k, v), _ = self._run_blocks(x, positions, q_slots, valid, cache)
+        x, (k, v), routing = self._run_blocks(x, positions, q_slots, valid, cache)
         logits = self.logits(self.final_norm(x))
         advance = jnp.where(mask.any(axis=1), T, 0).astype(jnp.int32)
         new_cache = KVCache(k=k, v=v, valid=valid, positions=cache.positions + mask.sum(1).astype(jnp.int32),
                             index=cache.index + advance)
-        return logits, new_cache
+        return logits, new_cache, None if routing is None else jnp.moveaxis(routing[1], 0, 2)
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Decoder:

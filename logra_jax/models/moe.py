@@ -57,14 +57,37 @@ class ExpertLinear(nnx.Module):
         return jax.lax.ragged_dot(x, self.kernel[...].astype(x.dtype), group_sizes)
 
 
-def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, k: int, normalize: bool, replay: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
     """(weights [N, k] float32, expert ids [N, k] int32) of router logits [N, E]: the top-k of softmax(logits),
-    renormalised to sum to 1 when `normalize`."""
+    renormalised to sum to 1 when `normalize`.
+
+    With `replay` (routing replay: expert ids [N, k] a rollout engine chose, any integer dtype) the set is
+    `replay`'s and the weights are still the router's, p = softmax(logits) gathered at the replayed ids (then
+    renormalised when `normalize`): replay fixes which experts a token reaches, not how much each weighs, so the
+    router's gradient and the renormalisation follow the trainer's own logits.
+    """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, k)
+    if replay is None:
+        weights, ids = jax.lax.top_k(probs, k)
+    else:
+        ids = replay.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
+
+
+def expert_id_dtype(num_experts: int) -> jnp.dtype:
+    """The dtype a rollout stores expert ids in: uint8 up to 256 experts, else uint16 (at Qwen3-30B-A3B's 48 MoE
+    layers × top-8, 384 bytes per token).
+
+    Raises:
+      ValueError: num_experts outside [1, 65536].
+    """
+    if not 1 <= num_experts <= 2**16:
+        raise ValueError(f"expert_id_dtype: num_experts must be in [1, 65536], got {num_experts!r}")
+    return jnp.dtype(jnp.uint8 if num_experts <= 2**8 else jnp.uint16)
 
 
 def load_balancing_loss(router_logits: jax.Array, k: int, mask: jax.Array | None = None) -> jax.Array:
@@ -118,17 +141,34 @@ class MoE(nnx.Module):
         kernel = self.router.kernel[...].astype(x.dtype)
         return jnp.einsum("...d,de->...e", x, kernel, preferred_element_type=jnp.float32)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(y [B, T, D], router logits [B, T, E] float32) of x [B, T, D]."""
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(y [B, T, D], router logits [B, T, E] float32) of x [B, T, D] (`routed` without its ids)."""
+        y, logits, _ = self.routed(x, replay)
+        return y, logits
+
+    def routed(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(y [B, T, D], router logits [B, T, E] float32, the router's own top-k ids [B, T, k] int32) of x
+        [B, T, D]. With `replay` (expert ids [B, T, k], routing replay) each token reaches those experts instead of
+        its own top-k, weighted by the router (`route`); the ids returned are still the router's own choice.
+
+        Raises:
+          ValueError: replay is not [B, T, k].
+        """
         with jax.named_scope("moe"):
             B, T, D = x.shape
             E = self.router.kernel.shape[-1]
             flat = x.reshape(B * T, D)
             logits = self.router_logits(flat)
             weights, ids = route(logits, self.k, self.normalize)
+            own = ids
+            if replay is not None:
+                if replay.shape != (B, T, self.k):
+                    raise ValueError(f"MoE: replay ids must be [B, T, k] = {(B, T, self.k)}, got {replay.shape}")
+                weights, ids = route(logits, self.k, self.normalize, replay.reshape(B * T, self.k))
             dispatch = self.experts if self.dispatch_hook is None else self.dispatch_hook
             y = dispatch(flat, weights, ids)
-            return constrain(y.reshape(B, T, D), ("batch", "length", "act_embed")), logits.reshape(B, T, E)
+            return (constrain(y.reshape(B, T, D), ("batch", "length", "act_embed")), logits.reshape(B, T, E),
+                    own.reshape(B, T, self.k))
 
     def experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
         """The routed experts' weighted sum [N, D] for tokens flat [N, D] routed to experts ids [N, k] with weights
