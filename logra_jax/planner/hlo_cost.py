@@ -17,9 +17,11 @@ the compiled module instead:
 - HBM bytes accessed: what each top-level instruction reads and writes in device memory (a fusion: its operands and
   results, not its insides). A fusion operand read only through slices (dynamic-slice, slice, gather; through
   bitcasts and nested fusions, as libtpu nests the slice of a loop-carried weight stack inside the matmul's fusion)
-  reads only the slices; a dynamic-update-slice or scatter that a fusion (or the program) returns in place writes
-  only its update and does not read the buffer (a decode step's KV-cache write); so a loop over stacked [L, ...]
-  weights reads each layer once, not L times per iteration. Arrays whose layout names another memory space (`S(1)`:
+  reads only the slices; one a nested fusion only returns (libtpu wraps a weight's bitcast in a fusion of its own
+  inside the matmul's: the tied LM head of a decode step) reads what its caller reads of that fusion's output; a
+  dynamic-update-slice or scatter that a fusion (or the program) returns in place writes only its update and does
+  not read the buffer (a decode step's KV-cache write); so a loop over stacked [L, ...] weights reads each layer
+  once, not L times per iteration. Arrays whose layout names another memory space (`S(1)`:
   the TPU's VMEM, where libtpu's memory-space assignment keeps small arrays; `S(5)`: host memory) are not HBM
   traffic; async copies and slices (`copy-start`, `slice-start`) count their HBM side once;
 - collective bytes (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, in every form: the
@@ -82,6 +84,8 @@ _CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _NO_TRAFFIC_CALLS = frozenset({"AllocateBuffer", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
 # the custom call by which libtpu starts an async collective (fused with the collective it starts)
 _TPU_ASYNC_START = "AsyncCollectiveStart"
+# What a fused computation reads of a parameter it only returns (through bitcasts): what its caller reads of it.
+_PASS = "returned"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +412,7 @@ class _Module:
         self.shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in self.computations.items()}
         self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.computations.items()}
         self.memo: dict[tuple[str, bool], _Cost] = {}
-        self.fusion_memo: dict[str, tuple[dict[int, float | None], dict[int, tuple[int, float]]]] = {}
+        self.fusion_memo: dict[str, tuple[dict[int, float | str | None], dict[int, tuple[int, float]]]] = {}
         header = text[:text.find("\n")] if "\n" in text else text
         partitions, replicas = (re.search(key + r"=(\d+)", header) for key in ("num_partitions", "replica_count"))
         # the devices of a collective whose replica_groups are empty ({}: every device)
@@ -503,13 +507,14 @@ class _Module:
             instr = self.by_name[comp].get(name)
         return name
 
-    def fusion_summary(self, callee: str) -> tuple[dict[int, float | None], dict[int, tuple[int, float]]]:
+    def fusion_summary(self, callee: str) -> tuple[dict[int, float | str | None], dict[int, tuple[int, float]]]:
         """What fused computation `callee` reads of each parameter and which outputs it updates in place.
 
-        Returns ({parameter index: bytes read, or None when read whole}, {output index: (parameter index, update
-        bytes)}). A parameter is read in part when every use (through bitcasts) is the sliced operand of a slice,
-        dynamic-slice or gather (its slices' bytes), the operand of a nested fusion that reads it in part (that
-        fusion's bytes), or the buffer of a dynamic-update-slice the fusion returns (in place: nothing read). An
+        Returns ({parameter index: bytes read, None when read whole, or `_PASS` when only returned}, {output index:
+        (parameter index, update bytes)}). A parameter is read in part when every use (through bitcasts) is the
+        sliced operand of a slice, dynamic-slice or gather (its slices' bytes), the operand of a nested fusion that
+        reads it in part (that fusion's bytes) or returns it (what this computation reads of that fusion's output),
+        or the buffer of a dynamic-update-slice the fusion returns (in place: nothing read). An
         output is updated in place when it is (through bitcasts) a dynamic-update-slice of a parameter, or a
         nested fusion's in-place output whose buffer is a parameter: it writes only the update.
         """
@@ -522,7 +527,8 @@ class _Module:
         for i in self.computations[callee]:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
-        reads = {index: self.fusion_read(name, users, in_place_users) for name, index in params.items()}
+        reads = {index: self.fusion_read(name, users, in_place_users, self.roots.get(callee, ""))
+                 for name, index in params.items()}
         self.fusion_memo[callee] = (reads, in_place)
         return reads, in_place
 
@@ -555,34 +561,51 @@ class _Module:
                         in_place_users.add((node.name, node.operands[inner[0]]))
         return in_place, in_place_users
 
-    def fusion_read(self, param: str, users: dict[str, list[_Instr]], in_place_users: set[tuple[str, str]]
-                    ) -> float | None:
+    def fusion_read(self, param: str, users: dict[str, list[_Instr]], in_place_users: set[tuple[str, str]],
+                    root: str = "") -> float | str | None:
         """The bytes a fused computation reads of its parameter `param` (`users`: its instructions by the names
-        they read), or None when it reads it whole."""
+        they read; `root`: the name of its root), None when it reads it whole, or `_PASS` when the computation only
+        returns it (through bitcasts) as its single output: then it reads what its caller reads of that output
+        (libtpu wraps a weight's bitcast in a fusion of its own, nested in the matmul's fusion)."""
 
-        def uses(name: str) -> list[tuple[_Instr, str]]:
-            """(user, the name it reads): the non-bitcast users of `name` and of its bitcasts."""
-            out = []
+        def uses(name: str) -> list[tuple[_Instr | None, str]]:
+            """(user, the name it reads): the non-bitcast users of `name` and of its bitcasts; (None, name) where
+            `name` is the root."""
+            out: list[tuple[_Instr | None, str]] = [(None, name)] if name == root else []
             for user in users.get(name, []):
                 out += uses(user.name) if user.op == "bitcast" else [(user, name)]
             return out
 
-        total = 0.0
-        for user, via in uses(param):
-            if (user.name, via) in in_place_users and user.operands.count(via) == 1:
-                continue
-            if user.op in _SLICES and user.operands[0] == via and user.operands.count(via) == 1:
-                total += shape_bytes(user.shape)
-                continue
-            nested = _callees(user.attrs, "calls") if user.op == "fusion" else []
-            if nested and nested[0] in self.computations:
-                part = self.fusion_summary(nested[0])[0]
-                positions = [k for k, o in enumerate(user.operands) if o == via]
-                if all(part.get(k) is not None for k in positions):
-                    total += sum(part[k] for k in positions)
+        def read(name: str) -> float | str | None:
+            total, passed = 0.0, False
+            for user, via in uses(name):
+                if user is None:
+                    passed = True
                     continue
-            return None
-        return total
+                if (user.name, via) in in_place_users and user.operands.count(via) == 1:
+                    continue
+                if user.op in _SLICES and user.operands[0] == via and user.operands.count(via) == 1:
+                    total += shape_bytes(user.shape)
+                    continue
+                nested = _callees(user.attrs, "calls") if user.op == "fusion" else []
+                if nested and nested[0] in self.computations:
+                    part = self.fusion_summary(nested[0])[0]
+                    positions = [k for k, o in enumerate(user.operands) if o == via]
+                    if positions == [positions[0]] and part.get(positions[0]) is _PASS:
+                        inner = read(user.name)  # the nested fusion's output is this operand, bitcast
+                        if inner is None or inner is _PASS:
+                            return None
+                        total += inner
+                        continue
+                    if all(part.get(k) is not None and part.get(k) is not _PASS for k in positions):
+                        total += sum(part[k] for k in positions)
+                        continue
+                return None
+            if passed:
+                return _PASS if total == 0.0 and len(uses(name)) == 1 else None
+            return total
+
+        return read(param)
 
     def fusion_bytes(self, comp: str, instr: _Instr, callee: str) -> float:
         """The HBM bytes a fusion reads and writes: parameters read in part count their slices, outputs updated in
@@ -592,7 +615,7 @@ class _Module:
         for index, operand in enumerate(instr.operands):
             shape = self.operand_shape(comp, operand)
             part = reads.get(index)
-            total += _hbm_bytes(shape) if part is None else part * _in_hbm(shape)
+            total += _hbm_bytes(shape) if part is None or part is _PASS else part * _in_hbm(shape)
         outputs = _tuple_elements(instr.shape) if in_place else [instr.shape]
         for k, out in enumerate(outputs):
             total += in_place[k][1] * _in_hbm(out) if k in in_place else _hbm_bytes(out)

@@ -383,3 +383,59 @@ def test_an_in_place_scatter_loop_writes_its_rows_not_the_buffer():
     cost = hlo_cost(jax.jit(until_done, donate_argnums=0).lower(*args).compile().as_text())
     assert cost.unknown_trip_counts and 0 < cost.unknown_loop_iteration[1] <= cost.bytes_accessed
     assert cost.unknown_loop_iteration[1] < buffer
+
+
+# libtpu's tied LM head in a decode step: the embedding [V, D] reaches the head's matmul fusion through a nested
+# fusion that only bitcasts it (the structure of the 1.5B decode step on v5e, whose head went uncounted), and
+# a stacked weight [L, D, D] through a nested bitcast fusion whose output the matmul's fusion slices.
+_NESTED_BITCAST = """HloModule m
+
+%bitcast_embed (e0: bf16[1024,256]) -> bf16[1024,256] {
+  %e0 = bf16[1024,256]{1,0} parameter(0)
+  ROOT %b0 = bf16[1024,256]{1,0} bitcast(%e0)
+}
+
+%head (h0: bf16[1024,256], h1: bf16[8,256]) -> f32[8,1024] {
+  %h0 = bf16[1024,256]{1,0} parameter(0)
+  %h1 = bf16[8,256]{1,0} parameter(1)
+  %w = bf16[1024,256]{1,0} fusion(%h0), kind=kLoop, calls=%bitcast_embed
+  ROOT %logits = f32[8,1024]{1,0} dot(%h1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%bitcast_stack (s0: bf16[4,256,256]) -> bf16[4,256,256] {
+  %s0 = bf16[4,256,256]{2,1,0} parameter(0)
+  ROOT %b1 = bf16[4,256,256]{2,1,0} bitcast(%s0)
+}
+
+%layer (l0: bf16[4,256,256], l1: bf16[8,256], l2: s32[]) -> bf16[8,256] {
+  %l0 = bf16[4,256,256]{2,1,0} parameter(0)
+  %l1 = bf16[8,256]{1,0} parameter(1)
+  %l2 = s32[] parameter(2)
+  %stack = bf16[4,256,256]{2,1,0} fusion(%l0), kind=kLoop, calls=%bitcast_stack
+  %zero = s32[] constant(0)
+  %slice = bf16[1,256,256]{2,1,0} dynamic-slice(%stack, %l2, %zero, %zero), dynamic_slice_sizes={1,256,256}
+  %wl = bf16[256,256]{1,0} bitcast(%slice)
+  ROOT %y = bf16[8,256]{1,0} dot(%l1, %wl), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (e: bf16[1024,256], x: bf16[8,256], s: bf16[4,256,256], i: s32[]) -> (f32[8,1024], bf16[8,256]) {
+  %e = bf16[1024,256]{1,0} parameter(0)
+  %x = bf16[8,256]{1,0} parameter(1)
+  %s = bf16[4,256,256]{2,1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %head_out = f32[8,1024]{1,0} fusion(%e, %x), kind=kOutput, calls=%head
+  %layer_out = bf16[8,256]{1,0} fusion(%s, %x, %i), kind=kOutput, calls=%layer
+  ROOT %r = (f32[8,1024]{1,0}, bf16[8,256]{1,0}) tuple(%head_out, %layer_out)
+}
+"""
+
+
+def test_a_weight_a_nested_fusion_only_bitcasts_is_read_as_its_caller_reads_it():
+    """Hand count: the head's fusion reads the whole [1024, 256] bf16 embedding (through the nested bitcast
+    fusion) and x [8, 256], and writes f32 logits [8, 1024]; the layer's fusion reads one [256, 256] slice of the
+    [4, 256, 256] stack (the nested bitcast fusion's output is sliced), x and the index, and writes [8, 256]."""
+    cost = hlo_cost(_NESTED_BITCAST)
+    head = 1024 * 256 * 2 + 8 * 256 * 2 + 8 * 1024 * 4
+    layer = 256 * 256 * 2 + 8 * 256 * 2 + 4 + 8 * 256 * 2
+    assert cost.bytes_accessed == head + layer
+    assert cost.matmul_flops == 2 * 8 * 1024 * 256 + 2 * 8 * 256 * 256
