@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from logra_jax.core.tree_paths import flat_params
 from logra_jax.parallel.sharding import device_bytes
 
 GIB = 2**30
@@ -89,7 +90,8 @@ def program_time(compiled: Any, info: Any, floor_bytes: float, runs: float = 1.0
     and its estimated seconds on `info`'s chip (`logra_jax.planner.aot.roofline`: max(flops / peak, HBM bytes /
     bandwidth)
     + collective bytes / link bandwidth), times `runs`; est_seconds None for a CPU target (no published figures).
-    floor_bytes: the HBM bytes the program cannot do without (its bandwidth floor). loop_iterations = k: the cost
+    floor_bytes: the HBM bytes the program cannot do without (its bandwidth floor; a count below it is clamped at
+    it, the count kept as counted_hbm_bytes). loop_iterations = k: the cost
     of one iteration of the program's loop whose trip count only the run knows (a decode chunk's steps), with the
     work outside it spread over k iterations."""
     from logra_jax.planner import aot
@@ -101,17 +103,21 @@ def program_time(compiled: Any, info: Any, floor_bytes: float, runs: float = 1.0
         loop = cost.unknown_loop_iteration
         flops, hbm, coll = (part + (whole - part) / loop_iterations
                             for part, whole in zip(loop, (flops, hbm, coll)))
-    out = {"flops": flops, "hbm_bytes": hbm, "collective_bytes": coll,
-           "floor_bytes": float(floor_bytes), "runs": runs, "est_seconds": None, "floor_seconds": None}
+    # A count below the floor (libtpu keeps small loop-invariant weight stacks in VMEM across a decode chunk's
+    # steps: read once per chunk) is clamped at the floor; both are kept.
+    out = {"flops": flops, "hbm_bytes": max(hbm, float(floor_bytes)), "counted_hbm_bytes": hbm,
+           "collective_bytes": coll, "floor_bytes": float(floor_bytes), "runs": runs, "est_seconds": None,
+           "floor_seconds": None}
     if info is not None and info.hbm_bandwidth is not None and info.peak_bf16_flops is not None:
-        roof = aot.roofline(flops, hbm, coll, info)
+        roof = aot.roofline(flops, out["hbm_bytes"], coll, info)
         out.update(est_seconds=runs * roof.seconds, floor_seconds=runs * floor_bytes / info.hbm_bandwidth,
                    bound=roof.bound)
     return out
 
 
 # The parts of `program_time`'s result that add up over the programs (and runs) of a phase.
-_SUMMED = ("flops", "hbm_bytes", "collective_bytes", "floor_bytes", "est_seconds", "floor_seconds")
+_SUMMED = ("flops", "hbm_bytes", "counted_hbm_bytes", "collective_bytes", "floor_bytes", "est_seconds",
+           "floor_seconds")
 
 
 def _summed_times(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
@@ -199,7 +205,6 @@ def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, An
     from logra_jax.job.phases import Trainer
     from logra_jax.parallel.sharding import abstract_sharded, param_shardings
     from logra_jax.rollout.engine import DecodeLayout
-    from logra_jax.rollout.sync import flat_params
 
     options = None if compiler_options is None else dict(compiler_options)
     jit = lambda f, **kw: jax.jit(f, compiler_options=options, **kw)
@@ -246,8 +251,8 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     phase's bytes are the largest program's. Time on paper: every response at its budget N (an upper bound), so
     the rows run in ⌈R / S⌉ waves of one refill and N decode steps; per decode step the decode program's cost (one
     iteration of its while loop, whose trip count the compiler cannot know, and the chunk's work outside the loop
-    spread over its decode_steps) against the bandwidth floor, the engine's weights / devices + the KV cache read /
-    devices."""
+    spread over its decode_steps) against the bandwidth floor (`decode_floor`: the weights an S-row step reads +
+    the KV cache read, over the devices)."""
     from logra_jax.parallel.sharding import abstract_sharded
     from logra_jax.rollout import slots as slots_lib
 
@@ -276,15 +281,80 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     largest = max(largest, decode_bytes, key=lambda b: b["total"])
     if refused:
         return PhaseBytes(name, largest, others, note, refused)
-    devices = mesh.devices.size
-    step = program_time(decode, job.info, (_global_bytes((slots.cache.k, slots.cache.v)) + _global_bytes(state)) /
-                        devices, loop_iterations=sampling.decode_steps)
+    floor = decode_floor(graphdef, state, _global_bytes((slots.cache.k, slots.cache.v)), S, mesh.devices.size)
+    step = {**program_time(decode, job.info, floor["floor_bytes"], loop_iterations=sampling.decode_steps), **floor}
     waves = -(-rows // S)
     prefill = program_time(refill, job.info, _io_bytes(refill_bytes), runs=waves)
     decode_steps = waves * sampling.max_new_tokens
     time = {**_summed_times([(step, decode_steps), (prefill, 1)]), "runs": 1, "decode_steps": decode_steps,
             "refills": waves}
     return PhaseBytes(name, largest, others, note, "", time, step)
+
+
+def expected_experts(num_experts: int, k: int, tokens: int) -> float:
+    """The expected number of distinct experts `tokens` tokens choose in one MoE layer when each token picks k of
+    the E experts uniformly at random (k distinct ones), independently of the others: E · (1 − (1 − k/E)^S), an
+    expert being left out by one token with probability 1 − k/E.
+
+    Uniform routing is an assumption (a trained router balanced by its auxiliary loss is close to it over many
+    tokens; tokens of one sequence that share experts make fewer distinct ones, so the real count is at most this
+    for a given marginal load, and a skewed load also lowers it).
+
+    Example:
+      >>> expected_experts(4, 2, 1), expected_experts(128, 8, 32) > 111
+      (2.0, True)
+    """
+    if not (1 <= k <= num_experts) or tokens < 0:
+        raise ValueError(f"expected_experts: need 1 <= k <= num_experts and tokens >= 0, got num_experts="
+                         f"{num_experts}, k={k}, tokens={tokens}")
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
+
+
+def expert_kernel_paths(model: nnx.Module) -> set[str]:
+    """The paths (as `flat_params` names them) of `model`'s stacked expert kernels ([..., E, in, out],
+    `logra_jax.models.moe.ExpertLinear`); empty for a dense model."""
+    from logra_jax.models.moe import ExpertLinear
+
+    return {".".join(map(str, (*path, "kernel"))) for path, node in nnx.iter_graph(model)
+            if isinstance(node, ExpertLinear)}
+
+
+def decode_floor(graphdef: Any, state: Any, kv_bytes: float, slots: int, devices: int) -> dict[str, Any]:
+    """The HBM bytes per device one decode step of `slots` rows cannot do without: the weights it reads and the
+    KV cache (`kv_bytes` over all devices), over the devices.
+
+    A step reads every weight once, except two. The input embedding of an untied model ([V, D]; the head has a
+    kernel of its own): a step gathers its S = `slots` tokens' rows, S·D elements, not the table. The experts of
+    a mixture of experts: in each MoE layer a step reads only the experts its S tokens chose, whose expected
+    number under uniform routing is `expected_experts`(E, k, S) of E, so it reads that share of the expert
+    kernels' bytes; the all-experts bound (every expert read) is given beside it.
+
+    Args:
+      graphdef, state: the engine's model (`nnx.split`; abstract leaves will do).
+      kv_bytes: the KV cache's bytes over all devices.
+      slots: rows per decode step (S).
+      devices: the devices the weights and cache are spread over.
+
+    Returns:
+      {"floor_bytes": the floor, "floor_all_experts_bytes": the floor with every expert read, and for an MoE
+      "experts_per_layer": E, "expected_experts_per_layer": the expected distinct experts of one step}.
+    """
+    model = nnx.merge(graphdef, state)
+    leaves = flat_params(state)
+    weights = _global_bytes(leaves)
+    if not model.config.tie_embeddings:
+        table = leaves["embed.embedding"]
+        weights -= _global_bytes(table) - min(slots, table.shape[0]) * table.shape[1] * table.dtype.itemsize
+    out = {"floor_all_experts_bytes": (weights + kv_bytes) / devices}
+    experts = expert_kernel_paths(model)
+    if not experts:
+        return {"floor_bytes": out["floor_all_experts_bytes"], **out}
+    E, k = model.config.num_experts, model.config.experts_per_token
+    chosen = expected_experts(E, k, slots)
+    expert_bytes = _global_bytes({p: leaves[p] for p in experts})
+    read = weights - expert_bytes + expert_bytes * chosen / E
+    return {"floor_bytes": (read + kv_bytes) / devices, **out, "experts_per_layer": E,
+            "expected_experts_per_layer": chosen}
 
 
 def _phase_start(job: _Job) -> PhaseBytes:
@@ -360,8 +430,6 @@ def _phase_policy_sync(job: _Job) -> PhaseBytes:
     job's own programs, `DecodeLayout.groups` and `.cast`; the engine drops its previous copy first). Its bytes are
     those of the group whose program peaks highest beside the trainer's state, the reference and the engine
     weights the groups before it built; its time, all the groups'."""
-    from logra_jax.rollout.sync import flat_params
-
     shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
     groups = job.layout.groups(to_copy) or [{}]  # every leaf shared (one device, trainer's dtype): an empty program
     alive, built, worst, times = job.alive("state", "ref"), 0, None, []
@@ -495,10 +563,17 @@ def report(phases: list[PhaseBytes], hbm: int, run: Any = None) -> tuple[str, in
     for p in phases:
         d = p.per_decode_step
         if d and d.get("est_seconds") is not None:
+            read = "weights" if "experts_per_layer" not in d else (
+                f"non-expert weights + the {d['expected_experts_per_layer']:.1f} of {d['experts_per_layer']} "
+                f"experts per layer {p.name}'s slots choose under uniform routing")
             lines.append(f"{p.name} decode step: HBM {d['hbm_bytes'] / 1e9:.3f} GB + collectives "
                          f"{d['collective_bytes'] / 1e9:.3f} GB per device → {_seconds(d['est_seconds'])}; floor "
-                         f"(weights + KV read, / devices) {d['floor_bytes'] / 1e9:.3f} GB → "
-                         f"{_seconds(d['floor_seconds'])} ({d['est_seconds'] / d['floor_seconds']:.2f}× the floor)")
+                         f"({read} + KV read, / devices) {d['floor_bytes'] / 1e9:.3f} GB → "
+                         f"{_seconds(d['floor_seconds'])} ({d['est_seconds'] / d['floor_seconds']:.2f}× the floor)"
+                         + ("" if "experts_per_layer" not in d else
+                            f"; every expert read: {d['floor_all_experts_bytes'] / 1e9:.3f} GB")
+                         + ("" if d.get("counted_hbm_bytes", d["hbm_bytes"]) >= d["hbm_bytes"] else
+                            f"; counted {d['counted_hbm_bytes'] / 1e9:.3f} GB, below the floor: clamped"))
     step = None if run is None else rl_step_time(phases, run)
     if step:
         parts = " + ".join(f"{name} {_seconds(sec)}" for name, sec in step["parts"].items())
