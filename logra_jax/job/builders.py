@@ -20,6 +20,11 @@ from logra_jax.models import (
     preset,
 )
 from logra_jax.models.decoder import Decoder
+from logra_jax.models.expert_parallel import (
+    expert_parallel_shardings,
+    init_expert_parallel_model,
+    install_expert_parallel,
+)
 from logra_jax.models.tokenizer import Tokenizer
 from logra_jax.rl.data import GeneratedTasks, JsonlTasks, data_source, problem_batches, record_to_problem
 from logra_jax.rl.tasks import Problem, generate_problem
@@ -32,15 +37,21 @@ def build_model(cfg: ModelSection, mesh: Mesh | None = None, *, weights: bool = 
     With `mesh`, the weights are created (random: `init_sharded_model`, under jit with the rules' out_shardings)
     or read (each process reading only its devices' slices) straight into their shards: no device ever holds a
     whole weight that the rules split. `weights=False`: the model is abstract (ShapeDtypeStruct leaves; a resumed
-    run restores its weights). `stats` counts a checkpoint's bytes read.
+    run restores its weights). `stats` counts a checkpoint's bytes read. With model.expert_parallel the MoE
+    layers' experts are split over the mesh's fsdp axis, created or read in that layout and computed where they
+    live (`logra_jax.models.expert_parallel`).
 
     Raises:
       ValueError: the tokenizer's vocabulary does not fit the model's, or the checkpoint carries no tokenizer
-        while model.tokenizer = "checkpoint" (names the config field).
+        while model.tokenizer = "checkpoint", or model.expert_parallel with no experts or experts that the fsdp
+        axis does not divide (names the config field).
     """
     overrides = dict(cfg.overrides)
     if cfg.checkpoint:
-        model, tokenizer, _ = load(cfg.checkpoint, shardings=mesh, stats=stats, weights=weights, **overrides)
+        shardings = mesh
+        if cfg.expert_parallel and mesh is not None:  # read each device's own experts whole
+            shardings = expert_parallel_shardings(load(cfg.checkpoint, weights=False, **overrides)[0], mesh)
+        model, tokenizer, _ = load(cfg.checkpoint, shardings=shardings, stats=stats, weights=weights, **overrides)
         if cfg.tokenizer == "char":
             tokenizer = char_tokenizer()
         elif tokenizer is None:
@@ -51,9 +62,13 @@ def build_model(cfg: ModelSection, mesh: Mesh | None = None, *, weights: bool = 
             model = abstract_model(config)
         elif mesh is None:
             model = init_model(config, seed=cfg.init_seed)
+        elif cfg.expert_parallel:
+            model = init_expert_parallel_model(config, mesh, seed=cfg.init_seed)
         else:
             model = init_sharded_model(config, mesh, seed=cfg.init_seed)
         tokenizer = char_tokenizer()
+    if cfg.expert_parallel:
+        install_expert_parallel(model, mesh)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"config.model: the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
                          f"{model.config.vocab_size}")

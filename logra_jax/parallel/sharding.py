@@ -50,12 +50,16 @@ LogicalRules = Sequence[tuple[str, MeshAxes]]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
+# The logical axis of an expert dimension under expert parallelism (`logra_jax.models.expert_parallel`); the
+# default "expert" has no rule (every expert's width is split over fsdp like any block weight).
+EXPERT_SHARD = "expert_shard"
 # Earlier rules have priority (`logical_to_spec`). fsdp splits the model width of every block weight; tensor
 # splits heads / mlp / vocab (Megatron-style); the vocabulary takes fsdp as well, so the [V, D] embedding and the
-# [D, V] head are split over V only and logits are computed vocab-parallel instead of gathering the head.
+# [D, V] head are split over V only and logits are computed vocab-parallel instead of gathering the head. An
+# expert-parallel kernel [E, D, F] gives fsdp to its experts first (whole experts per device, F over tensor).
 PARAM_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("layers", None), ("vocab", ("tensor", "fsdp")), ("embed", "fsdp"), ("q_heads", "tensor"), ("kv_heads", "tensor"),
-    ("mlp", "tensor"), ("norm", None))
+    ("layers", None), (EXPERT_SHARD, "fsdp"), ("vocab", ("tensor", "fsdp")), ("embed", "fsdp"), ("q_heads", "tensor"),
+    ("kv_heads", "tensor"), ("mlp", "tensor"), ("norm", None))
 # The batch is split over every data-parallel axis; heads and mlp activations follow their weights.
 ACTIVATION_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")), ("length", None), ("act_embed", None), ("act_heads", "tensor"),
@@ -200,6 +204,11 @@ def use_rules(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[None]
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_rules() -> tuple[Mesh, LogicalRules] | None:
+    """The (mesh, rules) that `use_rules` activated for the code being traced, or None outside any `use_rules`."""
+    return _ACTIVE.get()
 
 
 def batch_shards() -> int:
