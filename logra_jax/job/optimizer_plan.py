@@ -29,7 +29,7 @@ from logra_jax.native.sketch_probes import attach_sketch_probes
 from logra_jax.optim import SketchSpec, logra
 from logra_jax.optim.alias import NON_TARGET_LABEL, TARGET_LABEL, resolve_round_bf16, target_labels
 from logra_jax.optim.dense_row_adam import scale_by_dense_row_adam
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, Target, check_rank_fits, find_targets, parse_rank_rules
 
 GALORE_UPDATE_GAP = 200
 # An MoE router's kernel (`logra_jax.models.moe.MoE.router`): what non_targets="router" trains densely.
@@ -119,18 +119,22 @@ def store_weights(model: nnx.Module, dtype: str) -> None:
 
 def check_optimizer_fits(cfg: OptimizerSection, model: nnx.Module) -> None:
     """Fail fast (before the SFT warm start and any compilation) when the optimizer cannot run on `model`:
-    LoGRA's rank must fit every target's width (the error names the layer, its width and the field).
+    LoGRA's rank must fit every target's width, and each of `optimizer.rank_rules` give some target its rank
+    (the error names the field, the rule, the layer and its width).
 
     Raises:
-      ValueError: no target matches, or `optimizer.rank` exceeds a target's width.
+      ValueError: no target matches, a target's rank (`optimizer.rank`, or its rank rule's) exceeds its width, or
+        a rank rule gives no target its rank.
     """
     if cfg.name != "logra":
         return
     targets = find_targets(nnx.state(model, nnx.Param), DEFAULT_TARGET_RULES)
     try:
-        check_rank_fits(targets, cfg.rank)
+        check_rank_fits(targets, cfg.rank, parse_rank_rules(cfg.rank_rules))
     except ValueError as e:
-        raise ValueError(f"config.optimizer.rank = {cfg.rank}: {e}") from e
+        field = (f"config.optimizer.rank_rules = {cfg.rank_rules!r}" if str(e).startswith("rank rule ") else
+                 f"config.optimizer.rank = {cfg.rank}")
+        raise ValueError(f"{field}: {e}") from e
 
 
 def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: float = 1.0) -> OptimizerPlan:
@@ -155,7 +159,8 @@ def build_optimizer(cfg: OptimizerSection, model: nnx.Module, *, temperature: fl
         store_weights(model, cfg.weight_dtype)
     non_target_tx = _non_target_tx(cfg, model)
     # The one declaration of the sketch settings: logra and the model's sketch probes take this same object.
-    spec = SketchSpec(rank=cfg.rank, base_seed=cfg.base_seed, distribution=cfg.distribution, refresh=cfg.refresh,
+    spec = SketchSpec(rank=cfg.rank, rank_rules=cfg.rank_rules, base_seed=cfg.base_seed,
+                      distribution=cfg.distribution, refresh=cfg.refresh,
                       refresh_every=cfg.refresh_every,
                       round_bf16=resolve_round_bf16(cfg.round_bf16, cfg.variant),
                       implementation=cfg.implementation, interpret=cfg.interpret,

@@ -35,7 +35,7 @@ from logra_jax.models.moe import ExpertLinear
 from logra_jax.native.expert_probes import sketched_ragged_linear, tangent_ragged_linear
 from logra_jax.optim.projection import digest_words, key_from_digest, projection
 from logra_jax.optim.spec import SketchSpec
-from logra_jax.optim.targets import Target, check_rank_fits, find_targets
+from logra_jax.optim.targets import Target, find_targets
 
 
 class SketchProbe(nnx.Variable):
@@ -68,14 +68,16 @@ def sketching(step: jax.Array | int, kind: Literal["sketch", "tangent"] = "sketc
 
 @dataclasses.dataclass(frozen=True)
 class LowRankHook:
-    """The callable installed on a target Linear; hashable so it can live in the NNX graphdef."""
+    """The callable installed on a target Linear; hashable so it can live in the NNX graphdef. `rank` is the
+    target's own (`spec.rank_for(path)`)."""
 
     spec: SketchSpec
+    rank: int
 
     def projection(self, step: jax.Array, digest: jax.Array, width: int) -> jax.Array:
         step = self.spec.draw_step(step)
         key = key_from_digest(self.spec.base_seed, step, digest)
-        return projection(key, self.spec.rank, width, self.spec.distribution)
+        return projection(key, self.rank, width, self.spec.distribution)
 
     def __call__(self, x: jax.Array, kernel: jax.Array, probe: jax.Array, digest: jax.Array) -> jax.Array:
         mode = _MODE.get()
@@ -93,14 +95,15 @@ class ExpertLowRankHook:
     """The callable installed on a target ExpertLinear: (x [M, k] sorted by expert, kernel [E, k, d], probe
     [E, d, r], digest [E, 2], group_sizes [E]) → y [M, d]. Expert e draws its own A_e from digest[e]; inside
     `sketching` its sketch comes from its own tokens only (`logra_jax.native.expert_probes`, XLA ragged products
-    whatever the spec's implementation)."""
+    whatever the spec's implementation). `rank` is the target's own (`spec.rank_for(path)`), every expert's."""
 
     spec: SketchSpec
+    rank: int
 
     def projections(self, step: jax.Array, digests: jax.Array, width: int) -> jax.Array:
         """A [E, r, k] of update `step`, row e from the digest words digests[e]."""
         step = self.spec.draw_step(step)
-        one = lambda digest: projection(key_from_digest(self.spec.base_seed, step, digest), self.spec.rank, width,
+        one = lambda digest: projection(key_from_digest(self.spec.base_seed, step, digest), self.rank, width,
                                         self.spec.distribution)
         return jax.vmap(one)(digests)
 
@@ -157,7 +160,8 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec) -> dict[str, Targe
 
     Args:
       model: an NNX model whose target weights are `Linear.kernel`s in Flax layout [*batch, k, d].
-      spec: the SketchSpec (logra_jax.optim.spec): rank, seed base, distribution and refresh of the projections,
+      spec: the SketchSpec (logra_jax.optim.spec): rank (each target's `spec.rank_for(path)`, by the rank rules),
+        seed base, distribution and refresh of the projections,
         the target rules, and the `kernels.sketched_linear` implementation. Give the optimizer the same one
         (`logra(spec=spec)`): the train step reads it from the optimizer state.
 
@@ -165,20 +169,21 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec) -> dict[str, Targe
       The targets found, by canonical path ("blocks.attn.q_proj.kernel").
 
     Raises:
-      ValueError: no target matches, spec.rank exceeds a target's width (`check_rank_fits`), or a target is not
+      ValueError: no target matches, a target's rank exceeds its width or a rank rule gives no target its rank
+        (`SketchSpec.check_fits`), or a target is not
         the kernel of a Linear with rows on the last axis and the width on the one before (sketch-native mode
         needs the layer to own its matmul).
     """
     if not isinstance(spec, SketchSpec):
         raise TypeError(f"attach_sketch_probes: spec must be a logra_jax.optim.SketchSpec, got {spec!r}")
     targets = find_targets(nnx.state(model, nnx.Param), spec.rules)
-    check_rank_fits(targets, spec.rank)
+    spec.check_fits(targets)
     for path, target in targets.items():
         owner, _, leaf = path.rpartition(".")
         module = _module_at(model, owner) if owner else model
-        rank = len(target.shape)
-        if leaf != "kernel" or not isinstance(module, (Linear, ExpertLinear)) or target.dims.rows != (rank - 1,) \
-                or target.dims.width != (rank - 2,):
+        ndim = len(target.shape)
+        if leaf != "kernel" or not isinstance(module, (Linear, ExpertLinear)) or target.dims.rows != (ndim - 1,) \
+                or target.dims.width != (ndim - 2,):
             raise ValueError(
                 f"sketch-native mode needs target {path!r} to be a Linear or ExpertLinear kernel [*batch, k, d] with "
                 f"rows=(-1,) and width=(-2,); got module {type(module).__name__} and dims {target.dims}")
@@ -187,18 +192,19 @@ def attach_sketch_probes(model: nnx.Module, spec: SketchSpec) -> dict[str, Targe
         n = int(np.prod(target.batch_shape, dtype=np.int64))
         slice_paths = [f"{path}.{i}" for i in range(n)] if target.batch_shape else [path]
         words = digest_words(slice_paths).reshape(*target.batch_shape, 2)
+        rank = spec.rank_for(path)
         module.sketch_probe = SketchProbe(
-            jnp.zeros((*target.batch_shape, *target.rows_shape, spec.rank), jnp.float32),
+            jnp.zeros((*target.batch_shape, *target.rows_shape, rank), jnp.float32),
             axes=(*batch_axes, axes[-1] if axes else None, None))
         module.sketch_digest = SketchDigest(jnp.asarray(words, jnp.uint32), axes=(*batch_axes, None))
-        module.lowrank_hook = ExpertLowRankHook(spec) if isinstance(module, ExpertLinear) else LowRankHook(spec)
+        module.lowrank_hook = (ExpertLowRankHook if isinstance(module, ExpertLinear) else LowRankHook)(spec, rank)
     return targets
 
 
 def check_probes_match(model: nnx.Module, spec: SketchSpec) -> None:
-    """Raise ValueError unless every sketch probe hook of `model` draws its projections like `spec` (rank, base
-    seed, distribution, refresh): the optimizer's spec, which builds the step's LowRankUpdates, and the hooks,
-    which sketched the gradient, must draw the same A."""
+    """Raise ValueError unless every sketch probe hook of `model` draws its projections like `spec` (rank and rank
+    rules, base seed, distribution, refresh): the optimizer's spec, which builds the step's LowRankUpdates, and the
+    hooks, which sketched the gradient, must draw the same A."""
     for path, module in nnx.iter_modules(model):
         hook = getattr(module, "lowrank_hook", None)
         if hook is not None and not hook.spec.draws_like(spec):

@@ -39,11 +39,13 @@ from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
     DeclaredTargets,
     MatrixDims,
+    RankRule,
     Target,
     TargetRule,
     check_rank_fits,
     find_targets,
     match_target,
+    parse_rank_rules,
 )
 from logra_jax.optim.update_ratio import scale_by_update_ratio, update_ratio_factor
 
@@ -59,6 +61,7 @@ __all__ = [
     "LowRankUpdate",
     "MatrixDims",
     "PredictedKLState",
+    "RankRule",
     "RowAdamState",
     "SketchSpec",
     "SketchState",
@@ -77,6 +80,7 @@ __all__ = [
     "logra",
     "mark_lowrank_aware",
     "match_target",
+    "parse_rank_rules",
     "path_keys",
     "path_str",
     "projection",

@@ -59,7 +59,7 @@ from logra_jax.optim.projection import Distribution
 from logra_jax.optim.row_adam import Variant, scale_by_row_adam
 from logra_jax.optim.sketch import scale_by_sketch
 from logra_jax.optim.spec import SketchSpec, build_spec
-from logra_jax.optim.targets import DEFAULT_TARGET_RULES, TargetRule, check_rules, match_target
+from logra_jax.optim.targets import DEFAULT_TARGET_RULES, RankRule, TargetRule, check_rules, match_target
 from logra_jax.optim.update_ratio import scale_by_update_ratio
 
 TARGET_LABEL = "logra"
@@ -195,7 +195,8 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
           round_bf16: bool | None = None,
           kl_control: Mapping[str, Any] | None = None,
           implementation: Implementation | None = None, interpret: bool | None = None,
-          dense_updates: bool = False, spec: SketchSpec | None = None) -> optax.GradientTransformationExtraArgs:
+          dense_updates: bool = False, rank_rules: str | Sequence[RankRule] | None = None,
+          spec: SketchSpec | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketch → RowAdam → global step size → negation on targets; non-targets frozen or any optax tx.
 
     Per target layer l (docs/method.md): S_l = G_l A_lᵀ; D_l = RowAdam(S_l); with momentum β₁ > 0,
@@ -219,11 +220,11 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
     static_args=("rank", "base_seed"))(rank=16, update_ratio=1e-3)`; update_ratio (and b2, eps, lr,
     weight_decay) then live in `state.hyperparams` and may change between steps without recompiling.
 
-    The sketch settings (rank, base_seed, distribution, refresh, refresh_every, rules, round_bf16, implementation,
-    interpret) become one SketchSpec, carried by every LowRankUpdate and (static) by the state, where the train
-    step reads it (`logra_jax.optim.sketch_spec`); each left None takes SketchSpec's default (declared there
-    only), except round_bf16 (the variant's convention). A SketchSpec built once may be given instead (`spec=`,
-    e.g. the one the sketch-native probes were attached with), with those arguments left None.
+    The sketch settings (rank, rank_rules, base_seed, distribution, refresh, refresh_every, rules, round_bf16,
+    implementation, interpret) become one SketchSpec, carried by every LowRankUpdate and (static) by the state,
+    where the train step reads it (`logra_jax.optim.sketch_spec`); each left None takes SketchSpec's default
+    (declared there only), except round_bf16 (the variant's convention). A SketchSpec built once may be given
+    instead (`spec=`, e.g. the one the sketch-native probes were attached with), with those arguments left None.
 
     Args:
       rank: sketch rank r (static; default 256, the paper's).
@@ -254,6 +255,8 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
       dense_updates: False (default): target updates are LowRankUpdate leaves for `logra_jax.optim.apply_updates`;
         True: dense float32 ΔW arrays (`densify_lowrank`) for optax.apply_updates / nnx.Optimizer, after which
         any optax transform may follow. The optimizer state is the same either way.
+      rank_rules: RankRule sequence or its text "pattern=rank, ..." (e.g. "mlp=8"): a target whose path a rule's
+        pattern matches (first match wins) is sketched at that rule's rank; the others at `rank`.
       spec: the sketch settings as one SketchSpec (then leave the arguments above that it holds None).
 
     Returns:
@@ -262,9 +265,9 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
 
     Raises:
       ValueError/TypeError: invalid hyperparameters, round_bf16, dense_updates or implementation, lr missing for
-        nemo or given for paper/sgd, weight_decay for paper/sgd; at init, no target in the params or a rank
-        wider than a target (`check_rank_fits`); at update (low-rank route), a generic optax transform after
-        logra in a chain.
+        nemo or given for paper/sgd, weight_decay for paper/sgd; at init, no target in the params, a target's
+        rank wider than the target or a rank rule that gives no target its rank (`check_rank_fits`); at update
+        (low-rank route), a generic optax transform after logra in a chain.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -295,7 +298,7 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
         raise TypeError(f"logra: non_target_tx must be None or an optax.GradientTransformation, got {non_target_tx!r}")
     spec = build_spec("scale_by_sketch", spec, rank=rank, base_seed=base_seed, distribution=distribution,
                       refresh=refresh, refresh_every=refresh_every, rules=rules, implementation=implementation,
-                      interpret=interpret,
+                      interpret=interpret, rank_rules=rank_rules,
                       round_bf16=resolve_round_bf16(round_bf16, variant) if spec is None else round_bf16)
     step_size, negation = _step_size(variant, update_ratio, ratio_scope, lr, weight_decay)
     if kl_control is not None:
@@ -305,7 +308,8 @@ def logra(rank: int | None = None, *, base_seed: int | None = None, distribution
         ("row_adam", scale_by_row_adam(variant, b2, eps, spec.rules, implementation=spec.implementation,
                                        interpret=spec.interpret)),
         *([] if isinstance(momentum, (int, float)) and momentum == 0 else
-          [("momentum", scale_by_subspace_momentum(momentum, spec.rank, spec.rules))]),
+          [("momentum", scale_by_subspace_momentum(momentum, spec.rank, spec.rules,
+                                                                 rank_rules=spec.rank_rules))]),
         *step_size,
         negation,
     )

@@ -53,8 +53,8 @@ LOWRANK_AWARE_ATTR = "logra_lowrank_aware"
 @dataclasses.dataclass(frozen=True)
 class LowRankMeta:
     """Static description of a low-rank update: which target, and the SketchSpec its projections are regenerated
-    and it is merged by (rank, seed base, distribution, refresh, bf16 rounding of the factor, and `implementation`
-    "xla" | "pallas" of the merge with `interpret` for Pallas on CPU)."""
+    and it is merged by (rank, or the target's own by a rank rule, seed base, distribution, refresh, bf16 rounding
+    of the factor, and `implementation` "xla" | "pallas" of the merge with `interpret` for Pallas on CPU)."""
 
     target: Target
     spec: SketchSpec
@@ -64,7 +64,8 @@ class LowRankMeta:
 class LowRankUpdate:
     """Update of one target: dense equivalent ΔW = U·A (+ c·W), with U = `factor`, A from the seed triple.
 
-    Children (traced): factor (*batch_shape, *rows_shape, r) float32; step int32 scalar (completed updates when
+    Children (traced): factor (*batch_shape, *rows_shape, r) float32 (r = `rank`, the spec's rank for this
+    target: `SketchSpec.rank_for(target.path)`); step int32 scalar (completed updates when
     the sketch was taken); decay: None or a float32 scalar c. Static: `meta` (LowRankMeta: the target and the
     SketchSpec). The projection of batch slice i is drawn for step `spec.draw_step(step)` and path
     "target.path.i" (just the path when the target has no batch axes).
@@ -96,7 +97,7 @@ class LowRankUpdate:
             raise TypeError(f"target must be a Target, got {target!r}")
         if not isinstance(spec, SketchSpec):
             raise TypeError(f"LowRankUpdate for {target.path}: spec must be a SketchSpec, got {spec!r}")
-        expected = (*target.batch_shape, *target.rows_shape, spec.rank)
+        expected = (*target.batch_shape, *target.rows_shape, spec.rank_for(target.path))
         if tuple(jnp.shape(factor)) != expected:
             raise ValueError(f"LowRankUpdate for {target.path}: factor shape must be {expected} "
                              f"(*batch, *rows, rank), got {tuple(jnp.shape(factor))}")
@@ -112,6 +113,11 @@ class LowRankUpdate:
     @property
     def spec(self) -> SketchSpec:
         return self.meta.spec
+
+    @property
+    def rank(self) -> int:
+        """This target's sketch rank r: the spec's `rank_for(target.path)`."""
+        return self.meta.spec.rank_for(self.meta.target.path)
 
     def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], LowRankMeta]:
         children = ((jax.tree_util.GetAttrKey("factor"), self.factor),
@@ -129,7 +135,7 @@ class LowRankUpdate:
 
     def __repr__(self) -> str:
         return (f"LowRankUpdate(path={self.meta.target.path!r}, factor={getattr(self.factor, 'shape', self.factor)}, "
-                f"step={self.step!r}, decay={self.decay!r}, rank={self.spec.rank}, "
+                f"step={self.step!r}, decay={self.decay!r}, rank={self.rank}, "
                 f"distribution={self.spec.distribution!r}, refresh={self.spec.refresh})")
 
     def _refuse_arithmetic(self, other: Any) -> Any:
@@ -165,7 +171,7 @@ class LowRankUpdate:
         """Raise TypeError (with MISUSE_ADVICE) unless `step` is an int32 scalar and `factor` a floating array of
         shape (*batch, *rows, rank): what a generic optax transform placed after the sketch breaks."""
         t = self.meta.target
-        expected = (*t.batch_shape, *t.rows_shape, self.spec.rank)
+        expected = (*t.batch_shape, *t.rows_shape, self.rank)
         dtype = getattr(self.step, "dtype", None)
         if dtype != jnp.int32 or jnp.shape(self.step) != ():
             problem = f"step must be an int32 scalar, got {self.step!r}"
@@ -183,7 +189,7 @@ class LowRankUpdate:
         self.check_step()
         spec, t = self.spec, self.meta.target
         step = spec.draw_step(self.step)
-        return (t.geometry, spec.base_seed, spec.rank, spec.distribution), step, digest_words(t.slice_paths)
+        return (t.geometry, spec.base_seed, self.rank, spec.distribution), step, digest_words(t.slice_paths)
 
     def wire_factor(self) -> jax.Array:
         """The factor as merged: rounded to bf16 when `round_bf16` (the wire format), as float32."""

@@ -38,6 +38,7 @@ means something only when the projection is held that long: κ ≥ 1/(1 − β�
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -51,8 +52,8 @@ from logra_jax.optim.row_adam import _nest
 from logra_jax.optim.spec import SketchSpec
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
+    RankRule,
     TargetRule,
-    check_rules,
     find_targets,
     place_replicated,
     place_rows,
@@ -132,8 +133,8 @@ def _momentum_of(tree: dict[str, Any], keys: tuple[str, ...], path: str) -> jax.
 
 
 def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
-                               rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES
-                               ) -> optax.GradientTransformationExtraArgs:
+                               rules: tuple[TargetRule, ...] = DEFAULT_TARGET_RULES, *,
+                               rank_rules: str | Sequence[RankRule] = ()) -> optax.GradientTransformationExtraArgs:
     """A first moment of each low-rank factor, carried across projection changes (module docstring).
 
       M ← β₁ · transfer(M) + (1 − β₁) · D_t,   out = M / (1 − β₁^τ)
@@ -147,6 +148,8 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
       b1: β₁ in [0, 1); 0 passes D through unchanged (the state then holds the last D).
       rank: the sketch rank r (static; must equal the updates' rank).
       rules: the TargetRule sequence of the sketch (init finds the targets in the params with it).
+      rank_rules: the sketch's rank rules (RankRules or "pattern=rank, ..."): a target a rule matches has that
+        rule's rank instead of `rank` (`SketchSpec.rank_for`).
 
     Returns:
       An optax.GradientTransformationExtraArgs with SubspaceMomentumState (M (*batch, *rows, r) float32 per
@@ -168,8 +171,8 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
     """
     if isinstance(b1, (int, float)) and not 0 <= b1 < 1:
         raise ValueError(f"scale_by_subspace_momentum: b1 must be in [0, 1), got {b1!r}")
-    rank = SketchSpec(rank=rank).rank  # validated like every sketch rank
-    rules = check_rules(rules)
+    ranks = SketchSpec(rank=rank, rules=rules, rank_rules=rank_rules)  # validated like every sketch's ranks
+    rules = ranks.rules
 
     def init_fn(params: Any) -> SubspaceMomentumState:
         targets = find_targets(params, rules)
@@ -177,7 +180,7 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
         for keypath, weight in jax.tree_util.tree_flatten_with_path(params)[0]:
             t = targets.get(path_str(keypath))
             if t is not None:
-                zeros = jnp.zeros((*t.batch_shape, *t.rows_shape, rank), jnp.float32)
+                zeros = jnp.zeros((*t.batch_shape, *t.rows_shape, ranks.rank_for(t.path)), jnp.float32)
                 moments[t.keys] = place_rows(zeros, t, weight)
         # two buffers, not one array twice: a train step donates its state leaf by leaf
         count, basis = (place_replicated(jnp.zeros((), jnp.int32), params) for _ in range(2))
@@ -195,9 +198,9 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
             if not isinstance(u, LowRankUpdate):
                 return u
             u.check_step()
-            if u.spec.rank != rank:
-                raise ValueError(f"scale_by_subspace_momentum: update for {u.target.path} has rank {u.spec.rank}, "
-                                 f"this stage was built with rank={rank}")
+            if u.rank != ranks.rank_for(u.target.path):
+                raise ValueError(f"scale_by_subspace_momentum: update for {u.target.path} has rank {u.rank}, "
+                                 f"this stage was built with rank={ranks.rank_for(u.target.path)} for it")
             schedules.setdefault((u.spec.refresh, u.spec.refresh_every), u.target.path)
             if len(schedules) > 1:
                 (first, path), (other, _) = schedules.items()
@@ -206,7 +209,7 @@ def scale_by_subspace_momentum(b1: float = 0.9, rank: int = SketchSpec.rank,
             m = _momentum_of(state.first_moment, u.target.keys, u.target.path)
             basis = u.spec.draw_step(u.step)
             spec, t = u.spec, u.target
-            draw = (t.geometry, spec.base_seed, spec.rank, spec.distribution)
+            draw = (t.geometry, spec.base_seed, u.rank, spec.distribution)
             d = u.factor.astype(jnp.float32)
             if spec.refresh:  # M ← β₁·transfer(M) + (1 − β₁)·D
                 m = _carry_and_blend(draw, m, d, jnp.asarray(b1, jnp.float32), jnp.asarray(state.basis, jnp.int32),

@@ -20,9 +20,9 @@ from logra_jax.optim.lowrank import LowRankUpdate, is_lowrank, slice_projection,
 from logra_jax.optim.projection import Distribution, digest_words
 from logra_jax.optim.spec import SketchSpec, build_spec
 from logra_jax.optim.targets import (
+    RankRule,
     Target,
     TargetRule,
-    check_rank_fits,
     find_targets,
     match_target,
     place_replicated,
@@ -64,13 +64,14 @@ def _sketch(geometry: Target, base_seed: int, rank: int, distribution: Distribut
 def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distribution: Distribution | None = None,
                     refresh: bool | None = None, rules: Sequence[TargetRule] | None = None,
                     round_bf16: bool | None = None, *, implementation: Implementation | None = None,
-                    interpret: bool | None = None, spec: SketchSpec | None = None
-                    ) -> optax.GradientTransformationExtraArgs:
+                    interpret: bool | None = None, rank_rules: str | Sequence[RankRule] | None = None,
+                    spec: SketchSpec | None = None) -> optax.GradientTransformationExtraArgs:
     """Replace each target's dense gradient by its sketch, as a `LowRankUpdate` with factor S.
 
     Per batch slice l of a target (one layer), with t = number of completed updates (the state count):
-      A_l = projection(seed(base_seed, spec.draw_step(t), "path.l"), rank, k)   [r, k]
-    (draw_step(t) = κ·⌊t/κ⌋ with refresh, period κ = refresh_every; 0 without)
+      A_l = projection(seed(base_seed, spec.draw_step(t), "path.l"), r, k)   [r, k]
+    (draw_step(t) = κ·⌊t/κ⌋ with refresh, period κ = refresh_every; 0 without; r = spec.rank_for(path), the
+    target's own rank by a rank rule, else `rank`)
       S_l = G_l A_lᵀ                                                                  [d, r], float32
     Non-target leaves pass through unchanged. Leaves that already are a LowRankUpdate (sketch-native mode, where
     the backward pass produces S directly) pass through too, after checking that their spec's projection
@@ -89,6 +90,7 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
       implementation: how `apply_updates` merges the produced updates: "xla" (einsum) or "pallas"
         (`logra_jax.kernels.merge`, block-tiled, in place).
       interpret: Pallas only: run the merge kernel in the Pallas interpreter (required on CPU).
+      rank_rules: RankRule sequence or its text "pattern=rank, ..." giving matching targets their own rank.
       spec: the settings above as one SketchSpec (then leave them None).
 
     Returns:
@@ -97,8 +99,8 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
     Raises:
       TypeError/ValueError: bad settings (the message starts "scale_by_sketch:"), settings given beside spec;
         at init/update when no parameter matches the rules or a match cannot be viewed as a matrix; at init when
-        the rank exceeds a target's width (`check_rank_fits`); at update when an incoming LowRankUpdate was
-        sketched with other projection settings.
+        a target's rank exceeds its width or a rank rule gives no target its rank (`check_rank_fits`); at update
+        when an incoming LowRankUpdate was sketched with other projection settings.
 
     Example:
       >>> import jax.numpy as jnp
@@ -110,10 +112,10 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
     """
     spec = build_spec("scale_by_sketch", spec, rank=rank, base_seed=base_seed, distribution=distribution,
                       refresh=refresh, rules=rules, round_bf16=round_bf16, implementation=implementation,
-                      interpret=interpret)
+                      interpret=interpret, rank_rules=rank_rules)
 
     def init_fn(params: Any) -> SketchState:
-        check_rank_fits(find_targets(params, spec.rules), spec.rank)
+        spec.check_fits(find_targets(params, spec.rules))
         return SketchState(count=place_replicated(jnp.zeros((), jnp.int32), params), spec=spec)
 
     def update_fn(updates: Any, state: SketchState, params: Any = None, **extra_args: Any
@@ -136,7 +138,7 @@ def scale_by_sketch(rank: int | None = None, base_seed: int | None = None, distr
             if target is None:
                 return g
             matched.append(target.path)
-            s = _sketch(target.geometry, spec.base_seed, spec.rank, spec.distribution, g, draw_step,
+            s = _sketch(target.geometry, spec.base_seed, spec.rank_for(target.path), spec.distribution, g, draw_step,
                         digest_words(target.slice_paths))
             return LowRankUpdate(s, step, target=target, spec=spec)
 

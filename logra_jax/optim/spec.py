@@ -1,8 +1,9 @@
 """SketchSpec: the one declaration of how LoGRA sketches and merges (docs/method.md §2–§3).
 
 Every setting that must agree between the places that draw a projection or merge a low-rank update lives here
-once: rank r, projection base seed and distribution, refresh (and its period), the target rules, bf16 rounding of the
-merged factor, and the kernel implementation ("xla" | "pallas", `interpret` for Pallas on CPU). Its owners:
+once: rank r (and the rank rules giving some targets their own), projection base seed and distribution, refresh
+(and its period), the target rules, bf16 rounding of the merged factor, and the kernel implementation ("xla" |
+"pallas", `interpret` for Pallas on CPU). Its owners:
   - `logra(...)` / `scale_by_sketch(...)` build it from their arguments (or take one: `spec=`);
   - every `LowRankUpdate` carries it (`update.meta.spec`), so a merge or a sync receiver regenerates exactly the
     projections the optimizer drew;
@@ -10,6 +11,10 @@ merged factor, and the kernel implementation ("xla" | "pallas", `interpret` for 
     from the optimizer it is given (`sketch_spec(opt_state)`) instead of being told it again;
   - sketch-native hooks (`logra_jax.native.attach_sketch_probes`) take the same object;
   - the policy-sync payload writes its wire fields (`wire_fields`) and rebuilds it on the rollout side.
+A target's rank is `rank_for(path)`: the first rank rule whose pattern matches its path, else `rank`. Everything
+else about a target's projections (its seed, its draw) does not depend on the rules, so a target whose rank a rule
+leaves unchanged is sketched and merged exactly as without rules; `for_target(path)` is the spec one target sees
+(its rank, no rules): what a sync payload carries per target.
 """
 
 from __future__ import annotations
@@ -27,15 +32,20 @@ from logra_jax.optim.projection import Distribution, check_nonneg_int, check_pro
 from logra_jax.optim.targets import (
     DEFAULT_TARGET_RULES,
     DeclaredTargets,
+    RankRule,
     Target,
     TargetRule,
+    check_rank_fits,
     check_rules,
     find_targets,
+    parse_rank_rules,
+    resolve_rank,
 )
 
 # The fields that select the projections A: two specs that agree on them draw the same A for a target and step.
-DRAW_FIELDS = ("rank", "base_seed", "distribution", "refresh", "refresh_every")
-# The fields a policy-sync payload carries per target (the rules stay on the trainer: the target is sent whole).
+DRAW_FIELDS = ("rank", "rank_rules", "base_seed", "distribution", "refresh", "refresh_every")
+# The fields a policy-sync payload carries per target (the rules stay on the trainer: the target is sent whole, with
+# its own rank: `for_target`).
 WIRE_FIELDS = ("base_seed", "rank", "distribution", "refresh", "refresh_every", "round_bf16", "implementation",
                "interpret", "stochastic_round")
 
@@ -48,7 +58,11 @@ class SketchSpec:
     sketch-native hooks).
 
     Attributes:
-      rank: sketch rank r, a positive Python int (the paper's 256 by default).
+      rank: sketch rank r, a positive Python int (the paper's 256 by default), of every target no rank rule
+        matches.
+      rank_rules: RankRule sequence (stored as a tuple; also given as the text "pattern=rank, ..." or a
+        {pattern: rank} mapping, `parse_rank_rules`): a target whose canonical path a rule's pattern matches
+        (re.search, first match wins) takes that rule's rank; () (default): every target takes `rank`.
       base_seed: base of every projection seed (non-negative Python int).
       distribution: "rademacher" (±1/√r) or "gaussian" (N(0, 1/r)).
       refresh: fresh projections (True) or those of step 0 for ever (False: a fixed projection, κ = ∞).
@@ -68,6 +82,7 @@ class SketchSpec:
     """
 
     rank: int = 256
+    rank_rules: tuple[RankRule, ...] = ()
     base_seed: int = 42
     distribution: Distribution = "rademacher"
     refresh: bool = True
@@ -87,7 +102,12 @@ class SketchSpec:
         if every < 1:
             raise ValueError(f"SketchSpec.refresh_every must be >= 1 (refresh=False holds the projection for ever), "
                              f"got {self.refresh_every!r}")
-        normal = dict(rank=int(self.rank), base_seed=check_nonneg_int("SketchSpec.base_seed", self.base_seed),
+        try:
+            rank_rules = parse_rank_rules(self.rank_rules)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"SketchSpec.rank_rules: {e}") from e
+        normal = dict(rank=int(self.rank), rank_rules=rank_rules,
+                      base_seed=check_nonneg_int("SketchSpec.base_seed", self.base_seed),
                       refresh=bool(self.refresh), refresh_every=every, round_bf16=bool(self.round_bf16),
                       rules=check_rules(self.rules),
                       implementation=check_implementation(self.implementation, "SketchSpec.implementation"),
@@ -108,13 +128,47 @@ class SketchSpec:
             return jnp.zeros_like(step)
         return step if self.refresh_every == 1 else step - step % self.refresh_every
 
+    def rank_for(self, path: str) -> int:
+        """The sketch rank of the target at canonical `path`: the first matching rank rule's, else `rank`.
+
+        Example:
+          >>> spec = SketchSpec(rank=16, rank_rules="mlp=8")
+          >>> spec.rank_for("blocks.mlp.up_proj.kernel"), spec.rank_for("blocks.attn.q_proj.kernel")
+          (8, 16)
+        """
+        return resolve_rank(path, self.rank, self.rank_rules)[0]
+
+    def for_target(self, path: str) -> SketchSpec:
+        """The spec as the target at `path` sees it: its own rank and no rank rules (every other field kept). It
+        draws, sketches and merges that target exactly as this spec does.
+
+        Example:
+          >>> SketchSpec(rank=16, rank_rules="mlp=8").for_target("blocks.mlp.up_proj.kernel").rank
+          8
+        """
+        if not self.rank_rules:
+            return self
+        return dataclasses.replace(self, rank=self.rank_for(path), rank_rules=())
+
+    def check_fits(self, targets: Mapping[str, Target]) -> None:
+        """Raise ValueError unless every target's rank fits its width and every rank rule gives some target its
+        rank (`logra_jax.optim.targets.check_rank_fits`)."""
+        check_rank_fits(targets, self.rank, self.rank_rules)
+
     def draws_like(self, other: SketchSpec) -> bool:
         """Whether `other` draws the same projections (DRAW_FIELDS equal), however either rounds or merges."""
         return all(getattr(self, name) == getattr(other, name) for name in DRAW_FIELDS)
 
     def wire_fields(self) -> dict[str, Any]:
-        """The settings a receiver needs to regenerate the projections and merge like the trainer (JSON-able;
-        `from_wire` inverts it)."""
+        """The settings a receiver needs to regenerate one target's projections and merge like the trainer
+        (JSON-able; `from_wire` inverts it). With rank rules, take them from `for_target(path)`.
+
+        Raises:
+          ValueError: the spec has rank rules (the wire carries one target's rank).
+        """
+        if self.rank_rules:
+            raise ValueError(f"SketchSpec.wire_fields: a spec with rank rules {[str(r) for r in self.rank_rules]} "
+                             "has no one rank: write spec.for_target(path).wire_fields() for each target")
         return {name: getattr(self, name) for name in WIRE_FIELDS}
 
     @classmethod

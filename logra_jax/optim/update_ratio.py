@@ -39,7 +39,7 @@ def _norms_sq(u: LowRankUpdate, weight: Any, per_layer: bool) -> tuple[jax.Array
     u.check_step()
     t = u.target
     w = jnp.asarray(weight, jnp.float32)
-    d = u.factor.astype(jnp.float32).reshape(t.num_slices, t.d, u.spec.rank)
+    d = u.factor.astype(jnp.float32).reshape(t.num_slices, t.d, u.rank)
     if per_layer:
         weight_sq = jnp.sum(jnp.square(to_slices(w, t)).reshape(t.num_slices, -1), axis=1)
     else:
