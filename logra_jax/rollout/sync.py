@@ -57,8 +57,9 @@ class TargetFactor:
       factor: (*batch, *rows, r), bf16 when `spec.round_bf16` (the merge's own rounding), else float32.
       decay: None or the float32 scalar c of a decayed merge (NeMo variant).
       step: the LowRankUpdate's step.
-      spec: its SketchSpec (on the wire: `SketchSpec.wire_fields`, the projection settings, the rounding and the
-        merge kernel the trainer used, so the rollout side repeats it exactly).
+      spec: its SketchSpec as this target sees it (`SketchSpec.for_target`: the target's own rank, no rank rules;
+        on the wire: `SketchSpec.wire_fields`, the projection settings with that rank, the rounding and the merge
+        kernel the trainer used, so the rollout side repeats it exactly).
       shape, rows, width: the kernel's shape and its MatrixDims (normalised axes).
     """
 
@@ -215,7 +216,8 @@ def delta_payload(updates: Any, params: Any, version: int, *, trained: Collectio
     for (p, u), (factor, step, decay) in zip(lowrank.items(), wire):
         t = u.target
         factors[p] = TargetFactor(factor=keep(factor), decay=None if decay is None else keep(decay),
-                                  step=int(step), spec=u.spec, shape=t.shape, rows=t.dims.rows, width=t.dims.width)
+                                  step=int(step), spec=u.spec.for_target(t.path), shape=t.shape, rows=t.dims.rows,
+                                  width=t.dims.width)
     fields = dict(kind="delta", version=version, parent=version - 1, factors=factors,
                   dense={p: keep(a) for p, a in dense.items()}, weights={}, fingerprint=tree_fingerprint(params))
     return _sealed(**fields) if host else SyncPayload(checksum="", on_device=True, **fields)
