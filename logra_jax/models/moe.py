@@ -20,6 +20,11 @@ expert id and each expert multiplies only its own contiguous rows with `jax.lax.
 stacked [E, in, out]: no [tokens, E, ...] intermediate and no work for experts a token did not choose (XLA:CPU
 itself lowers ragged_dot to a dense masked product; TPU and GPU kernels do not).
 
+Routing replay (`route(..., replay)`, `MoE.routed`): S is given (the experts a rollout engine chose for the token)
+instead of the top-k, and w_e = p_e for e ∈ S (renormalised as above) still comes from this router's logits. Replay
+fixes the set, not the weights: the output is continuous in the router again and its gradient flows as without
+replay.
+
 Parameters carry the logical axis "expert" on their expert dimension; the sharding rules leave it unmapped
 (replicated) until expert parallelism maps it.
 """

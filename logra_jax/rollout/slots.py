@@ -15,6 +15,10 @@ holding every active row's next D tokens), sliced out of the cache once per D st
 counters per D steps (all processes read the same replicated values, so the schedule is the same everywhere).
 Because a row's draws do not depend on its slot, the result does not depend on S, D or the bucket: with S = R every
 row starts at once, as in a classic batched sampler.
+An MoE model's rows also record the experts each token was routed to (`Rollout.experts`, [R, P + N, MoE layers, k]
+uint8 up to 256 experts; 384 bytes per token at Qwen3-30B-A3B's 48 layers × top-8): the prefill's for the prompt
+(written to each row its refill starts), each decode step's for the token it feeds; the trainer replays or
+compares them (logra_jax.rl.routing).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from logra_jax.models.config import ModelConfig
 from logra_jax.models.decoder import Decoder, KVCache, constrain_kv
+from logra_jax.models.moe import expert_id_dtype
 from logra_jax.parallel.multihost import host_array
 from logra_jax.parallel.sharding import constrain, use_rules
 from logra_jax.rollout.sampling import Rollout, SamplingConfig, row_keys, sample_tokens
@@ -43,7 +49,8 @@ class Slots(NamedTuple):
     cache: the slots' KV cache ([L, S, P + N, Hkv, hd], per-slot write index); logits: [S, V] float32, each slot's
     next-token logits; row: [S] int32, the row a slot decodes (−1: never filled); t: [S] int32, tokens that row has
     produced; done: [S] bool, slot idle (row finished, or never filled). tokens / logprobs: [R, N] by row;
-    lengths: [R] int32; finished: [R] bool (ended with EOS)."""
+    lengths: [R] int32; finished: [R] bool (ended with EOS); experts: [R, P + N, MoE layers, k] by row, the
+    experts each token's routers chose (`Rollout.experts`; None for a dense model)."""
 
     cache: KVCache
     logits: jax.Array
@@ -54,6 +61,15 @@ class Slots(NamedTuple):
     logprobs: jax.Array
     lengths: jax.Array
     finished: jax.Array
+    experts: jax.Array | None = None
+
+
+def unrecorded_experts(config: ModelConfig, shape: tuple[int, ...]) -> jax.Array:
+    """Expert ids [*shape, MoE layers, k] for tokens the engine did not run (padding, a response's last token):
+    0, …, k − 1 in every layer, in `moe.expert_id_dtype` (no response log-prob depends on their routing)."""
+    k, layers = config.experts_per_token, config.num_layers // config.moe_layer_step
+    ids = jnp.arange(k, dtype=expert_id_dtype(config.num_experts))
+    return jnp.broadcast_to(ids, (*shape, layers, k))
 
 
 def left_pack(prompts: jax.Array, prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -70,11 +86,12 @@ def init_slots(model: Decoder, prompt_len: int, config: SamplingConfig, num_slot
     """Empty slots (all idle) and output rows filled with pad_id / 0 (traced inside the engine's first program)."""
     N = config.max_new_tokens
     cache = model.init_cache(num_slots, prompt_len + N)
+    experts = unrecorded_experts(model.config, (rows, prompt_len + N)) if model.config.moe else None
     return Slots(cache=cache, logits=jnp.zeros((num_slots, model.config.vocab_size), jnp.float32),
                  row=jnp.full((num_slots,), -1, jnp.int32), t=jnp.zeros((num_slots,), jnp.int32),
                  done=jnp.ones((num_slots,), bool), tokens=jnp.full((rows, N), config.pad_id, jnp.int32),
                  logprobs=jnp.zeros((rows, N), jnp.float32), lengths=jnp.zeros((rows,), jnp.int32),
-                 finished=jnp.zeros((rows,), bool))
+                 finished=jnp.zeros((rows,), bool), experts=experts)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "num_slots", "mesh"))
@@ -94,12 +111,20 @@ def refill(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, prompts: jax.
             prompt_ids: jax.Array, src: jax.Array, dest: jax.Array, new_rows: jax.Array, *, config: SamplingConfig,
             mesh: Mesh | None) -> Slots:
     """Prefill prompts[prompt_ids] ([K, P], left-packed) once each, then give slot dest[i] the prompt src[i]'s
-    cache and logits and the row new_rows[i] (lanes with dest[i] = S write nothing)."""
+    cache and logits and the row new_rows[i] (lanes with dest[i] = S write nothing); an MoE model's rows
+    new_rows[i] record the experts the prefill chose for their prompt's real tokens."""
     with _rules(mesh):
         model = nnx.merge(graphdef, state)
         K, P = prompt_ids.shape[0], prompts.shape[1]
         cache = model.init_cache(K, P)
-        logits, cache = model.forward_cached(prompts[prompt_ids], cache, attention_mask=prompt_mask[prompt_ids])
+        real = prompt_mask[prompt_ids]
+        logits, cache, ids = model.routed_forward_cached(prompts[prompt_ids], cache, attention_mask=real)
+        experts = slots.experts
+        if experts is not None:
+            ids = jnp.where(real[:, :, None, None], ids.astype(experts.dtype), unrecorded_experts(model.config,
+                                                                                                (K, P)))
+            rows = jnp.where(dest < slots.row.shape[0], new_rows, experts.shape[0])  # idle lanes write nowhere
+            experts = experts.at[rows, :P].set(ids[src], mode="drop")
         total = slots.cache.valid.shape[1]
         put = lambda buf, new: buf.at[dest].set(new[src].astype(buf.dtype), mode="drop")
 
@@ -114,7 +139,7 @@ def refill(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, prompts: jax.
         new_cache = KVCache(k=constrain_kv(put_kv(c.k, cache.k)), v=constrain_kv(put_kv(c.v, cache.v)),
                             valid=put(c.valid, valid), positions=put(c.positions, cache.positions),
                             index=put(c.index, jnp.full((K,), P, jnp.int32)))
-        return slots._replace(cache=new_cache, logits=put(slots.logits, logits[:, -1]),
+        return slots._replace(cache=new_cache, logits=put(slots.logits, logits[:, -1]), experts=experts,
                               row=slots.row.at[dest].set(new_rows, mode="drop"),
                               t=slots.t.at[dest].set(jnp.zeros_like(lane), mode="drop"),
                               done=slots.done.at[dest].set(jnp.zeros(lane.shape, bool), mode="drop"))
@@ -147,8 +172,14 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, key: jax.Arr
                            lengths=s.lengths.at[out_row].set(s.t + 1, mode="drop"),
                            finished=s.finished.at[out_row].set(tok == config.eos_id, mode="drop"),
                            t=s.t + active.astype(jnp.int32), done=s.done | ended)
-            logits, cache = model.forward_cached(tok[:, None], s.cache, attention_mask=(~s.done)[:, None])
+            logits, cache, ids = model.routed_forward_cached(tok[:, None], s.cache,
+                                                             attention_mask=(~s.done)[:, None])
             cache = cache._replace(k=constrain_kv(cache.k), v=constrain_kv(cache.v))
+            if s.experts is not None:  # the token just fed, response token t − 1 at position P + t − 1
+                fed_row = jnp.where(~s.done, s.row, R)
+                P = s.experts.shape[1] - N
+                s = s._replace(experts=s.experts.at[fed_row, P + s.t - 1].set(ids[:, 0].astype(s.experts.dtype),
+                                                                                mode="drop"))
             return i + 1, s._replace(cache=cache, logits=logits[:, 0])
 
         _, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots._replace(cache=window)))
@@ -183,7 +214,7 @@ def finish(slots: Slots, prompts: jax.Array, prompt_mask: jax.Array, *, config: 
     repeat = functools.partial(jnp.repeat, repeats=n, total_repeat_length=prompts.shape[0] * n, axis=0)
     return Rollout(tokens=jnp.concatenate([repeat(prompts), slots.tokens], axis=1), prompt_mask=repeat(prompt_mask),
                    response_mask=jnp.arange(N)[None, :] < slots.lengths[:, None], logprobs=slots.logprobs,
-                   lengths=slots.lengths, finished=slots.finished)
+                   lengths=slots.lengths, finished=slots.finished, experts=slots.experts)
 
 
 def num_slots(config: SamplingConfig, rows: int) -> int:

@@ -280,7 +280,7 @@ def _generate(worker: RolloutWorker, body: memoryview) -> Reply:
     key = jax.random.wrap_key_data(arrays["key"], impl=meta["key_impl"]) if meta["key_impl"] else arrays["key"]
     config = None if meta.get("sampling") is None else SamplingConfig(**meta["sampling"])
     out = worker.generate(arrays["prompts"], arrays["prompt_mask"], key, config)
-    return {}, {name: np.asarray(v) for name, v in out._asdict().items()}
+    return {}, {name: np.asarray(v) for name, v in out._asdict().items() if v is not None}  # experts: MoE only
 
 
 def _fetch(worker: RolloutWorker, body: memoryview) -> Reply:
