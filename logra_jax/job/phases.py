@@ -24,6 +24,8 @@ from jax.sharding import Mesh
 from logra_jax.job.optimizer_plan import OptimizerPlan, build_optimizer
 from logra_jax.job.run_config import OptimizerSection, RunConfig, TrainSection
 from logra_jax.job.train_step import TrainState, make_train_step, step_shardings
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.moe import expert_id_dtype
 from logra_jax.parallel.sharding import batch_shardings, jit_train_step, make_mesh, replicated
 from logra_jax.rl.losses import LossConfig
 from logra_jax.rl.objective import make_policy_loss_fn, probe_batch_shapes, response_logprobs, rl_batch_shapes
@@ -61,6 +63,14 @@ class RLStep(NamedTuple):
     probe: dict[str, jax.ShapeDtypeStruct] | None
 
 
+def rollout_experts(config: ModelConfig, engine: str) -> tuple[int, int, Any] | None:
+    """(MoE layers, k, dtype) of the expert ids the rollouts of `engine` carry for a model of `config`
+    (`Rollout.experts`: the JAX engine records them for an MoE model), None when they carry none."""
+    if not config.moe or engine != "jax":
+        return None
+    return config.num_layers // config.moe_layer_step, config.experts_per_token, expert_id_dtype(config.num_experts)
+
+
 def init_train_state(optimizer: OptimizerSection, model: nnx.Module, *, temperature: float = 1.0
                      ) -> tuple[OptimizerPlan, nnx.GraphDef, TrainState, nnx.State]:
     """The optimizer for `model` (`build_optimizer`, which attaches LoGRA's sketch probes when it needs them) and
@@ -72,12 +82,13 @@ def init_train_state(optimizer: OptimizerSection, model: nnx.Module, *, temperat
 
 def rl_train_step(graphdef: nnx.GraphDef, plan: OptimizerPlan, loss: LossConfig, prompt_len: int, *,
                   microbatches: int = 1, temperature: float = 1.0, logprob_chunk: int | None = None,
-                  return_updates: bool = True) -> Callable[..., tuple[Any, ...]]:
+                  return_updates: bool = True, routing_replay: bool = False) -> Callable[..., tuple[Any, ...]]:
     """The RL train step, not jitted: `make_train_step` with the policy loss `loss` on the responses after
     `prompt_len` prompt tokens (log-probs at `temperature`, `logprob_chunk` token rows at a time; None:
-    `make_policy_loss_fn`'s default) and the plan's gradient mode, trainable parameters and KL probe."""
+    `make_policy_loss_fn`'s default; routing_replay: route by the batch's `experts`) and the plan's gradient mode,
+    trainable parameters and KL probe. A batch with `experts` (an MoE rollout) also reports the routing metrics."""
     chunk = {} if logprob_chunk is None else {"chunk": logprob_chunk}
-    loss_fn = make_policy_loss_fn(loss, prompt_len, temperature=temperature, **chunk)
+    loss_fn = make_policy_loss_fn(loss, prompt_len, temperature=temperature, routing_replay=routing_replay, **chunk)
     return make_train_step(graphdef, loss_fn, plan.tx, mode=plan.mode, microbatches=microbatches,
                            trainable=plan.trainable, kl_probe=plan.kl_probe, return_updates=return_updates)
 
@@ -130,12 +141,23 @@ class Trainer:
 
     def rl_step(self, run: RunConfig, mesh: Mesh, prompt_len: int) -> RLStep:
         """The RL train step with the run's objective, microbatches and KL probe, jitted and sharded on `mesh`,
-        with the shapes of its inputs (`RLStep`)."""
+        with the shapes of its inputs (`RLStep`): an MoE model's rollouts from the JAX engine bring their expert
+        ids (`Rollout.experts`), replayed under rollout.routing_replay, measured always.
+
+        Raises:
+          ValueError: rollout.routing_replay with a dense model.
+        """
         plan = self.plan
+        experts = rollout_experts(self.model().config, run.rollout.engine)
+        if run.rollout.routing_replay and experts is None:
+            raise ValueError(f"config.rollout.routing_replay = True: the model "
+                             f"({self.model().config.architecture!r}) has no experts to replay")
         train_step = rl_train_step(self.graphdef, plan, run.algorithm.loss(run.rollout.max_new_tokens), prompt_len,
-                                   microbatches=run.train.microbatches, temperature=run.rollout.temperature)
+                                   microbatches=run.train.microbatches, temperature=run.rollout.temperature,
+                                   routing_replay=run.rollout.routing_replay)
         n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
-        batch = rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens, with_ref=run.algorithm.kl_beta > 0)
+        batch = rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens, with_ref=run.algorithm.kl_beta > 0,
+                                experts=experts)
         probe = None if plan.kl_probe is None else probe_batch_shapes(
             run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens)
         batch_sh = batch_shardings(batch, mesh)

@@ -3,9 +3,12 @@
 Batch fields (rows = responses, fixed prompt length P):
   tokens [N, P + G] int32 ([left-padded prompt | response]), attention_mask [N, P + G],
   response_mask [N, G], advantages [N], rollout_logprobs [N, G] (the sampler's log μ), finished [N],
-  and ref_logprobs [N, G] when a reference-KL penalty is used.
+  and ref_logprobs [N, G] when a reference-KL penalty is used; for an MoE model served by the JAX engine, experts
+  [N, P + G, MoE layers, k] (`Rollout.experts`: the experts the engine chose for each token).
 The trainer's log π_θ of the response tokens comes from chunked log-probs at the sampling temperature (the
-[N, G, V] logits are never materialised whole).
+[N, G, V] logits are never materialised whole). With routing replay the trainer's MoE layers route each token by
+the engine's experts (`Decoder.routed_features`); with experts in the batch, replayed or not, the step reports the
+routing mismatch (`logra_jax.rl.routing`).
 """
 
 from __future__ import annotations
@@ -19,18 +22,23 @@ from flax import nnx
 
 from logra_jax.rl.logprobs import token_logprobs
 from logra_jax.rl.losses import LOSS_DENOMINATOR, LossConfig, aggregate, aggregation_denominator, policy_loss
+from logra_jax.rl.routing import routing_metrics
 
 
-def rl_batch_shapes(rows: int, prompt_length: int, new_tokens: int, *, with_ref: bool = False
-                    ) -> dict[str, jax.ShapeDtypeStruct]:
+def rl_batch_shapes(rows: int, prompt_length: int, new_tokens: int, *, with_ref: bool = False,
+                    experts: tuple[int, int, jnp.dtype] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     """The batch this objective reads, as ShapeDtypeStructs (fixed per run: shardings and compile-only analysis
-    are built from it). `with_ref`: include ref_logprobs (reference-KL penalty)."""
+    are built from it). `with_ref`: include ref_logprobs (reference-KL penalty); experts: (MoE layers, k, dtype)
+    of the engine's recorded expert ids, included when given."""
     sds, length = jax.ShapeDtypeStruct, prompt_length + new_tokens
     batch = {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
              "response_mask": sds((rows, new_tokens), jnp.bool_), "advantages": sds((rows,), jnp.float32),
              "rollout_logprobs": sds((rows, new_tokens), jnp.float32), "finished": sds((rows,), jnp.bool_)}
     if with_ref:
         batch["ref_logprobs"] = sds((rows, new_tokens), jnp.float32)
+    if experts is not None:
+        layers, k, dtype = experts
+        batch["experts"] = sds((rows, length, layers, k), dtype)
     return batch
 
 
@@ -72,19 +80,34 @@ def probe_rows(prompts: int, num_samples: int, count: int, seed: int | tuple[int
 
 
 def response_logprobs(model: nnx.Module, tokens: jax.Array, attention_mask: jax.Array, prompt_length: int, *,
-                      temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False):
-    """log softmax(z/τ) of the response tokens tokens[:, P:] given everything before them: [N, G] (+ entropy)."""
-    hidden = model.features(tokens, attention_mask=attention_mask)
-    return token_logprobs(hidden[:, prompt_length - 1:-1], model.head_weight(), tokens[:, prompt_length:],
-                          temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+                      temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False,
+                      experts: jax.Array | None = None):
+    """log softmax(z/τ) of the response tokens tokens[:, P:] given everything before them: [N, G] (+ entropy);
+    experts: replayed expert ids [N, P + G, MoE layers, k] (`routed_response_logprobs`)."""
+    return routed_response_logprobs(model, tokens, attention_mask, prompt_length, temperature=temperature,
+                                    chunk=chunk, with_entropy=with_entropy, experts=experts)[0]
 
 
-def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: float = 1.0, chunk: int = 1024):
+def routed_response_logprobs(model: nnx.Module, tokens: jax.Array, attention_mask: jax.Array, prompt_length: int,
+                             *, temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False,
+                             experts: jax.Array | None = None):
+    """(`response_logprobs`, the trainer's own expert ids [N, P + G, MoE layers, k] int32 or None for a dense
+    model): the forward routes by `experts` when given (routing replay, `Decoder.routed_features`)."""
+    hidden, ids = model.routed_features(tokens, attention_mask=attention_mask, experts=experts)
+    stats = token_logprobs(hidden[:, prompt_length - 1:-1], model.head_weight(), tokens[:, prompt_length:],
+                           temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+    return stats, ids
+
+
+def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: float = 1.0, chunk: int = 1024,
+                        routing_replay: bool = False):
     """loss_fn(model, batch) -> (policy loss, metrics) for `make_train_step`.
 
     Metrics (token means over responses): pg_loss, clip_fraction, tis_weight, kl (with a reference), entropy,
     and rollout_mismatch = mean over tokens of completed responses of (log μ − log π_θ) clipped at 0 — the
-    measured rollout-vs-trainer gap that `scale_by_predicted_kl` can subtract from its budget.
+    measured rollout-vs-trainer gap that `scale_by_predicted_kl` can subtract from its budget; with
+    batch["experts"] the routing metrics `logra_jax.rl.routing.ROUTING_METRICS`. routing_replay: the forward
+    routes every token by batch["experts"] (which it then needs).
     The aggregation's normaliser is returned as train_step.LOSS_DENOMINATOR, so a microbatched step normalises
     once by the whole batch's (every microbatch, every data-parallel replica): the same loss and gradient
     whatever the number of microbatches.
@@ -93,8 +116,12 @@ def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: 
         raise ValueError(f"make_policy_loss_fn: prompt_length must be >= 1, got {prompt_length}")
 
     def loss_fn(model: nnx.Module, batch: Mapping[str, jax.Array]):
-        logp, entropy = response_logprobs(model, batch["tokens"], batch["attention_mask"], prompt_length,
-                                          temperature=temperature, chunk=chunk, with_entropy=True)
+        engine_ids = batch.get("experts")
+        if routing_replay and engine_ids is None:
+            raise ValueError("make_policy_loss_fn: routing_replay needs batch['experts'] (the engine's expert ids)")
+        (logp, entropy), own_ids = routed_response_logprobs(
+            model, batch["tokens"], batch["attention_mask"], prompt_length, temperature=temperature, chunk=chunk,
+            with_entropy=True, experts=engine_ids if routing_replay else None)
         mask = batch["response_mask"].astype(jnp.float32)
         loss, metrics = policy_loss(
             logp, batch["advantages"], mask, config=config,
@@ -105,6 +132,12 @@ def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: 
         metrics = dict(metrics)
         metrics["entropy"] = jax.lax.stop_gradient(aggregate(entropy, mask))
         metrics["rollout_mismatch"] = jnp.maximum(gap, 0.0)
+        if engine_ids is not None:
+            if own_ids is None:
+                raise ValueError("make_policy_loss_fn: batch['experts'] given to a dense model (no router)")
+            metrics.update(routing_metrics(engine_ids, own_ids, batch["attention_mask"][:, :prompt_length],
+                                           batch["response_mask"], logp, batch["rollout_logprobs"],
+                                           config.tis_cap))
         metrics[LOSS_DENOMINATOR] = aggregation_denominator(mask, config.aggregation, max_len=config.max_len)
         return loss, metrics
 
