@@ -106,9 +106,10 @@ class KLRefusalError(RuntimeError):
 
 
 def _rl_batch(rollout: Rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
+    experts = {} if rollout.experts is None else {"experts": rollout.experts}  # an MoE rollout's (phases.rl_step)
     return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
             "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
-            "rollout_logprobs": rollout.logprobs, "finished": rollout.finished}
+            "rollout_logprobs": rollout.logprobs, "finished": rollout.finished, **experts}
 
 
 EXAMPLES_SHOWN = 3  # held-out problems whose greedy responses the log shows before and after RL
