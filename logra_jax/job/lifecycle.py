@@ -12,10 +12,10 @@ used to end in a segfault traceback). A second SIGINT exits at once (status 130)
 
 Resume. A workdir keeps `config.json` (the config of its latest start) and `config_history.jsonl` (one record per
 start: time, start step, the full config on the first start and the changed fields on later ones). Fields that
-change what a checkpoint means (RESUME_FIXED: the model, the task, the optimizer's kind, rank, seed, projection
-and trained set, the prompts per step that the data iterator's state counts) refuse a resume with an error that
-lists them; every other change (steps, learning rate, evaluation/checkpoint/log cadence, mesh, ...) resumes and is
-logged.
+change what a checkpoint means (RESUME_FIXED: the model, the task, the optimizer's kind, rank and rank rules, seed,
+projection and trained set, the prompts per step that the data iterator's state counts) refuse a resume with an
+error that lists them; every other change (steps, learning rate, evaluation/checkpoint/log cadence, mesh, ...)
+resumes and is logged.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ RESUME_FIXED = (
     "optimizer.targets_only",
     "optimizer.non_targets",
     "optimizer.rank",             # sketch / factor shapes
+    "optimizer.rank_rules",       # each target's rank: its sketch, factor and momentum shapes
     "optimizer.base_seed",        # the projections A the factors were taken in
     "optimizer.distribution",
     "optimizer.refresh",
@@ -51,6 +52,12 @@ RESUME_FIXED = (
     "optimizer.kl_control",       # the controller's state
     "algorithm.estimator",        # the advantage estimator's state
 )
+
+# Fixed fields added after configs were first saved: what a saved config without the field meant (it predates
+# the field, so it ran with this value), so that those runs still resume.
+RESUME_DEFAULTS = {
+    "optimizer.rank_rules": "",   # no rank rules: every target at optimizer.rank
+}
 
 _EXIT_BASE = 128
 
@@ -145,10 +152,15 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
                  ) -> dict[str, tuple[Any, Any]]:
     """The changes between the checkpointed run's config and this one; an error when a RESUME_FIXED field changed.
 
+    A fixed field the saved config lacks (written before the field existed) takes its RESUME_DEFAULTS value.
+
     Raises:
       ValueError: lists every fixed field that changed with both values, names `where` and says how to proceed.
     """
     changes = config_changes(saved, current)
+    changes = {name: (RESUME_DEFAULTS[name] if old is None and name in RESUME_DEFAULTS else old, new)
+               for name, (old, new) in changes.items()}
+    changes = {name: values for name, values in changes.items() if values[0] != values[1]}
     refused = {name: values for name, values in changes.items() if is_fixed(name)}
     if refused:
         listed = "; ".join(f"{name}: {old!r} in the checkpointed run, {new!r} now"
