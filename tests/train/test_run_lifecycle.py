@@ -282,6 +282,7 @@ def test_fewer_steps_than_the_checkpoint_is_a_clear_error(finished_run, tmp_path
 
 
 @pytest.mark.parametrize(("section", "field", "value"), [("optimizer", "rank", 2), ("optimizer", "base_seed", 7),
+                                                         ("optimizer", "rank_rules", "q_proj=2"),
                                                          ("model", "init_seed", 3), ("task", "train_size", 32)])
 def test_resume_refuses_a_config_that_changes_what_the_checkpoint_means(finished_run, tmp_path, section, field,
                                                                          value):
