@@ -33,7 +33,7 @@ PROMPTS = np.array([[0, 5, 6, 7], [9, 10, 11, 12]], np.int32)
 MASK = PROMPTS != 0
 P = PROMPTS.shape[1]
 GRAPHDEF, PARAMS0 = nnx.split(init_model(CONFIG, seed=0))
-TX = logra(rank=8, update_ratio=2e-2)
+TX = logra(rank=8, rank_rules="mlp=4", update_ratio=2e-2)  # per-target ranks: the MLP at 4, attention at 8
 
 
 def _logprobs(params, tokens, attention_mask):

@@ -16,7 +16,7 @@ from logra_jax.models.decoder import init_model
 from logra_jax.models.hf import _export_tensors
 from logra_jax.optim import LowRankUpdate, apply_updates, find_targets
 from logra_jax.optim.spec import SketchSpec
-from logra_jax.rollout.sync import delta_payload, flat_params, snapshot_payload
+from logra_jax.rollout.sync import _sealed, delta_payload, flat_params, snapshot_payload
 from logra_jax.rollout.vllm.engine import hf_table
 
 # torch and the receiver (which imports it) are imported by the tests, not at collection, and the module runs on
@@ -51,7 +51,7 @@ def _step(params, key, step, *, spec, decay):
         if path in TARGETS:
             t = TARGETS[path]
             i = list(TARGETS).index(path)
-            u = 1e-2 * jax.random.normal(keys[i], (*t.batch_shape, t.d, RANK))
+            u = 1e-2 * jax.random.normal(keys[i], (*t.batch_shape, t.d, spec.rank_for(path)))
             return LowRankUpdate(u, step, target=t, spec=spec, decay=jnp.float32(-1e-2) if decay else None)
         if path == NORM:
             return 1e-3 * jax.random.normal(keys[-1], p.shape)
@@ -61,18 +61,21 @@ def _step(params, key, step, *, spec, decay):
     return apply_updates(params, updates), updates
 
 
-@pytest.mark.parametrize("round_bf16,decay,distribution,refresh_every",
-                         [(False, False, "rademacher", 1), (True, True, "gaussian", 3)])
-def test_torch_masters_follow_the_trainer(round_bf16, decay, distribution, refresh_every, ext):
+@pytest.mark.parametrize("round_bf16,decay,distribution,refresh_every,rank_rules",
+                         [(False, False, "rademacher", 1, ""), (True, True, "gaussian", 3, ""),
+                          (True, False, "rademacher", 1, "up_proj=2")])  # per-target ranks: up_proj 2, q_proj 4
+def test_torch_masters_follow_the_trainer(round_bf16, decay, distribution, refresh_every, rank_rules, ext):
     spec = SketchSpec(rank=RANK, base_seed=7, round_bf16=round_bf16, distribution=distribution,
-                      refresh_every=refresh_every)
+                      refresh_every=refresh_every, rank_rules=rank_rules)
     params = _params()
     masters = ext.TorchMasters({p: a.shape for p, a in flat_params(params).items()})
     reply, changed = masters.receive(snapshot_payload(params, 0).to_bytes())
     assert reply["status"] == "loaded" and set(changed) == set(flat_params(params))
     for version in range(1, 9):
         params, updates = _step(params, jax.random.key(version), version, spec=spec, decay=decay)
-        reply, changed = masters.receive(delta_payload(updates, params, version, trained=[NORM]).to_bytes())
+        payload = delta_payload(updates, params, version, trained=[NORM])
+        assert {p: f.factor.shape[-1] for p, f in payload.factors.items()} == {p: spec.rank_for(p) for p in TARGETS}
+        reply, changed = masters.receive(payload.to_bytes())
         assert (reply["status"], reply["version"]) == ("applied", version), reply
         assert set(changed) == {*TARGETS, NORM}
     for path, want in jax.device_get(flat_params(params)).items():
@@ -119,3 +122,19 @@ def test_hf_tensors_equal_export(ext, torch):
     assert set(got) == set(want)
     for name, w in want.items():
         np.testing.assert_array_equal(got[name].numpy(), w, err_msg=name)
+
+
+def test_a_factor_whose_rank_is_not_its_metas_asks_for_a_resync(ext):
+    spec = SketchSpec(rank=RANK, base_seed=7, rank_rules="up_proj=2")
+    params0 = _params()
+    masters = ext.TorchMasters({p: a.shape for p, a in flat_params(params0).items()})
+    masters.receive(snapshot_payload(params0, 0).to_bytes())
+    params1, up1 = _step(params0, jax.random.key(1), 1, spec=spec, decay=False)
+    payload = delta_payload(up1, params1, 1)
+    up = "blocks.mlp.up_proj.kernel"
+    wrong = {**payload.factors, up: dataclasses.replace(payload.factors[up], spec=SketchSpec(rank=3, base_seed=7))}
+    reply, changed = masters.receive(_sealed(**{f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)
+                                                if f.name not in ("checksum", "factors")}, factors=wrong).to_bytes())
+    assert reply["status"] == "resync" and changed == [] and masters.version == 0
+    assert f"target '{up}': factor of shape (2, 40, 2), its meta (rank 3) announces (2, 40, 3)" in reply["reason"]
+    assert masters.receive(payload.to_bytes())[0]["status"] == "applied"

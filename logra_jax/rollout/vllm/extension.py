@@ -63,12 +63,20 @@ def draw_step(step: int, meta: Mapping[str, Any]) -> int:
     return step - step % every
 
 
+def factor_shape(meta: Mapping[str, Any]) -> tuple[int, ...]:
+    """The factor U's shape (*batch, *rows, r) a target's wire meta announces: r is the target's own rank (the
+    trainer's rank rules give targets their own, `SketchSpec.for_target`)."""
+    shape, rows, width = tuple(meta["shape"]), tuple(meta["rows"]), tuple(meta["width"])
+    batch = tuple(a for a in range(len(shape)) if a not in rows + width)
+    return (*(shape[a] for a in batch), *(shape[a] for a in rows), int(meta["rank"]))
+
+
 def lowrank_delta(path: str, factor: torch.Tensor, meta: Mapping[str, Any]) -> torch.Tensor:
     """ΔW = U·A of one target in its kernel layout (float32), as `LowRankUpdate.to_dense` without decay.
 
     Args:
       path: the target's path (its slices draw "path.i" when it has batch axes).
-      factor: U (*batch, *rows, r) float32.
+      factor: U (*batch, *rows, r) float32, r = the target's rank meta["rank"].
       meta: the target's wire meta (shape, rows, width, step and the SketchSpec wire fields).
     """
     shape, rows, width = tuple(meta["shape"]), tuple(meta["rows"]), tuple(meta["width"])
@@ -143,6 +151,10 @@ class TorchMasters:
                 raise PayloadError(f"target {p!r} with shape {m['shape']} is not an engine parameter of that shape")
             if m.get("stochastic_round"):
                 raise PayloadError(f"target {p!r}: stochastic rounding (bf16 trainer weights) is not supported")
+            got = tuple(arrays[f"factor/{p}"].shape)
+            if got != factor_shape(m):
+                raise PayloadError(f"target {p!r}: factor of shape {got}, its meta (rank {m['rank']}) announces "
+                                   f"{factor_shape(m)}")
         for k, a in arrays.items():
             if k.startswith("dense/") and self.shapes.get(k[len("dense/"):]) != tuple(a.shape):
                 raise PayloadError(f"dense update {k!r} with shape {a.shape} is not an engine parameter")
