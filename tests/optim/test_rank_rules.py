@@ -125,7 +125,7 @@ def test_sketch_of_each_target_is_g_times_its_own_projection():
         np.testing.assert_array_equal(got[Q].factor, want_plain[Q].factor)
 
 
-def _run(tx, params, steps=3):
+def _run(tx, params, steps=2):
     state = tx.init(params)
     step = jax.jit(lambda p, s, g: _apply(tx, p, s, g))
     history = []
@@ -142,7 +142,7 @@ def _apply(tx, params, state, g):
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_logra_steps_with_mixed_ranks(momentum):
-    """Three logra steps (RowAdam, per-layer update ratio, bf16 factor, with and without the sketch-space momentum):
+    """Two logra steps (RowAdam, per-layer update ratio, bf16 factor, with and without the sketch-space momentum):
     every target's merge is W + bf16(U)·A with its own A (numpy); the default-rank target follows the rule-less
     run bit for bit; rules that give every target the default rank are the rule-less run bit for bit."""
     params = make_params()
@@ -170,6 +170,47 @@ def test_dense_route_equals_low_rank_route_with_mixed_ranks():
     low = logra(rank=RANK, rank_rules=RULES, update_ratio=1e-2)
     dense = logra(rank=RANK, rank_rules=RULES, update_ratio=1e-2, dense_updates=True)
     g = grads(params, 0)
-    u_low, _ = low.update(g, low.init(params), params)
-    u_dense, _ = dense.update(g, dense.init(params), params)
+    u_low, _ = jax.jit(low.update)(g, low.init(params), params)
+    u_dense, _ = jax.jit(dense.update)(g, dense.init(params), params)
     jax.tree.map(np.testing.assert_array_equal, apply_updates(params, u_low), optax.apply_updates(params, u_dense))
+
+
+def test_sharded_equals_unsharded_with_mixed_ranks():
+    """8 fake devices, kernels split on their width (the state's split moves onto the rows): the weights and the
+    state (row moments, momentum [L, d, r_t] at each target's rank) equal one device's after two steps (the
+    second transfers the momentum), and every state leaf keeps the placement the jitted step's out_shardings
+    derive from the targets."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from logra_jax.optim import state_targets
+    from logra_jax.parallel.sharding import opt_state_shardings
+
+    assert jax.device_count() == 8
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    params = {"blocks": {n: {"kernel": jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.float32)}
+                         for n in ("up_proj", "q_proj")}}
+    g = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(2)]
+    tx = logra(rank=RANK, rank_rules="up_proj=2", momentum=0.9, update_ratio=1e-2, round_bf16=False)
+
+    def run(params, grads):
+        state = init = tx.init(params)
+        step = jax.jit(lambda p, s, g: _apply(tx, p, s, g)[:2])
+        for gr in grads:
+            params, state = step(params, state, gr)
+        return params, init, state
+
+    want, _, want_state = run(params, g)
+    assert {m.shape[-1] for m in jax.tree.leaves(want_state) if m.ndim == 3} == {2, RANK}  # momentum at r_t
+    for spec in (P(None, "x", None),):
+        shard = lambda tree, spec=spec: jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), tree)
+        got, init, state = run(shard(params), [shard(gr) for gr in g])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state, want_state)
+        sharded = shard(params)
+        derived = opt_state_shardings(init, jax.tree.map(lambda x: x.sharding, sharded), sharded,
+                                      targets=state_targets(init, sharded))
+        for leaf, placed, out in zip(jax.tree.leaves(init), jax.tree.leaves(derived), jax.tree.leaves(state)):
+            assert leaf.sharding.is_equivalent_to(placed, leaf.ndim), (leaf.shape, leaf.sharding, placed)
+            assert out.sharding.is_equivalent_to(leaf.sharding, leaf.ndim), (leaf.shape, out.sharding)
