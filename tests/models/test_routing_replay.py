@@ -158,3 +158,48 @@ def test_replay_ids_of_the_wrong_shape_or_a_dense_model_are_rejected():
     assert dense.routed_features(tokens)[1] is None
     with pytest.raises(ValueError, match="architecture='llama'"):
         dense.routed_features(tokens, experts=jnp.zeros((2, 7, 2, 2), jnp.uint8))
+
+
+def test_replay_adds_no_tokens_by_experts_intermediate():
+    """The replayed layer gathers the router's probabilities at the k ids: besides the [N, E] logits and
+    probabilities no array has both a token axis (N or N·k) and the expert axis."""
+    config = models.preset("tiny-qwen3-moe", num_experts=8, experts_per_token=2)
+    layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
+    graphdef, state = nnx.split(layer)
+    x, replay = jnp.zeros((3, 5, config.hidden_size)), jnp.zeros((3, 5, 2), jnp.uint8)
+    jaxpr = jax.make_jaxpr(lambda s, x, r: nnx.merge(graphdef, s).routed(x, r))(state, x, replay)
+    N, E = 15, config.num_experts
+    for eqn in jaxpr.jaxpr.eqns:
+        for var in eqn.outvars:
+            shape = tuple(var.aval.shape)
+            if E in shape and (N in shape or 2 * N in shape):
+                assert len(shape) == 2, (eqn.primitive.name, shape)
+
+
+def test_replayed_forward_sharded_equals_unsharded():
+    """8 fake devices (data 2 × fsdp 2 × tensor 2), the rows and their replayed ids over the batch axes: the same
+    hidden states (1e-5) and the same own choices as on one device."""
+    from logra_jax.parallel import sharding as shd
+
+    config = models.preset("tiny-qwen3-moe")
+    graphdef, state = nnx.split(init_model(config, seed=1))
+    tokens = jnp.asarray(np.concatenate([TOKENS, TOKENS[:, ::-1]]))
+    mask = jnp.asarray(np.concatenate([MASK, MASK[:, ::-1]]))
+
+    def run(state, tokens, mask, experts):
+        return nnx.merge(graphdef, state).routed_features(tokens, attention_mask=mask, experts=experts)
+
+    _, own = jax.jit(run)(state, tokens, mask, None)
+    forced = (own + 1) % config.num_experts
+    want = jax.jit(run)(state, tokens, mask, forced)
+    mesh = shd.make_mesh(shd.MeshConfig(data=2, fsdp=2, tensor=2))
+
+    def sharded(state, tokens, mask, experts):
+        with shd.use_rules(mesh):
+            return run(state, tokens, mask, experts)
+
+    state = jax.device_put(state, shd.param_shardings(state, mesh))
+    batch = jax.device_put((tokens, mask, forced), shd.batch_shardings((tokens, mask, forced), mesh))
+    got = jax.jit(sharded, compiler_options=shd.FAST_CPU_COMPILE)(state, *batch)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
