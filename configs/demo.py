@@ -24,7 +24,9 @@ every MLP 4 experts of width 192 with top-2 routing (weights renormalised). A to
 0.80 M); rank 64 fits the expert width (down_proj's sketch spans its 192 inputs). LoGRA sketches each expert from its
 own tokens; the routers stay frozen with the other non-targets (optimizer.non_targets="router" trains them). XLA:CPU
 lowers the grouped expert matmul to a dense masked product over all 4 experts, so its MLP costs twice the dense
-demo's here.
+demo's here. Measured (seed 0, this exact configuration, 2026-12-07, 2 shared cores of the AMD EPYC): SFT final
+loss 0.0040, held-out 55.9% → 89.5% (evaluations every 50 steps: 0.559, 0.891, 0.867, 0.871, 0.895), 1211 s;
+experiments/moe/README.md ("Learning") compares it with AdamW on the same targets over 3 seeds.
 
 Run:   python -m logra_jax.main --config=configs/demo.py --workdir=runs/demo     (what `make demo` does)
 Quick: python -m logra_jax.main --config=configs/demo.py:runlocal --workdir=/tmp/demo
