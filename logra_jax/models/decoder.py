@@ -2,7 +2,9 @@
 
 Layers are stacked on a leading "layers" axis and run with `lax.scan` (one compiled block whatever the depth),
 optionally rematerialised per block. `model(tokens)` returns float32 logits [B, T, V]; `forward_cached` runs
-prefill and incremental decoding against a `KVCache` for batches of prompts of different lengths.
+prefill and incremental decoding against a `KVCache` for batches of prompts of different lengths. An MoE model's
+`routed_features` / `routed_forward_cached` also return the experts each router chose per token, and `experts=`
+routes every MoE layer by given ids instead (routing replay, `logra_jax.models.moe.route`).
 
 Parameter paths (canonical, "."-joined): embed.embedding [V, D]; blocks.attn_norm.scale [L, D];
 blocks.attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias for Qwen2 q/k/v); blocks.attn.{q,k}_norm.scale [L, hd]
