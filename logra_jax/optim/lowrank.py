@@ -379,24 +379,34 @@ def _merge(draw: _Draw, how: tuple[str, bool, bool], u: jax.Array, step: jax.Arr
     t = draw[0]
     implementation, interpret, stochastic_round = how
     stochastic = stochastic_round and weight.dtype == jnp.bfloat16
-    u = u.reshape(t.num_slices, *t.rows_shape, draw[2])
-    w = to_slices(weight, t)
 
-    def body(i: jax.Array, w: jax.Array) -> jax.Array:
-        w_i = w[i]
+    def one(u_i: jax.Array, digest_i: jax.Array, w_i: jax.Array) -> jax.Array:
         if decay is not None:
             w_i = (1.0 + decay.astype(jnp.float32)) * w_i.astype(jnp.float32)
         if implementation == "pallas":  # stochastic: the kernel sums in float32, the rounding follows in XLA
-            merged = _slice_merge_kernel(draw, step, u[i], digests[i],
+            merged = _slice_merge_kernel(draw, step, u_i, digest_i,
                                          w_i.astype(jnp.float32) if stochastic else w_i, interpret)
         else:
-            merged = w_i.astype(jnp.float32) + _slice_delta(draw, step, u[i], digests[i])
+            merged = w_i.astype(jnp.float32) + _slice_delta(draw, step, u_i, digest_i)
         if stochastic:
-            key = jax.random.fold_in(key_from_digest(draw[1], update_step, digests[i]), _ROUNDING_STREAM)
+            key = jax.random.fold_in(key_from_digest(draw[1], update_step, digest_i), _ROUNDING_STREAM)
             merged = stochastic_round_bf16(merged, key)
-        return w.at[i].set(merged.astype(w.dtype))
+        return merged.astype(weight.dtype)
 
-    return _from_slices(jax.lax.fori_loop(0, t.num_slices, body, w), t)
+    # A loop over the first batch axis (layers), the slices of the others (experts [L, E, k, d]) merged together:
+    # an axis split over devices stays split (expert parallelism: each device merges its own experts, where a
+    # dynamic index into that axis would gather the whole weight onto every device).
+    outer = t.batch_shape[0] if t.batch_shape else 1
+    inner = t.num_slices // outer
+    if inner > 1:
+        one = jax.vmap(one)
+    w = jnp.moveaxis(weight, t.batch_axes, tuple(range(len(t.batch_axes))))
+    rest = w.shape[len(t.batch_axes):]
+    w = w.reshape(outer, *((inner,) if inner > 1 else ()), *rest)
+    u = u.reshape(*w.shape[:w.ndim - len(rest)], *t.rows_shape, draw[2])
+    digests = digests.reshape(*w.shape[:w.ndim - len(rest)], digests.shape[-1])
+    w = jax.lax.fori_loop(0, outer, lambda i, w: w.at[i].set(one(u[i], digests[i], w[i])), w)
+    return jnp.moveaxis(w.reshape(*t.batch_shape, *rest), tuple(range(len(t.batch_axes))), t.batch_axes)
 
 
 def to_slices(w: jax.Array, t: Target) -> jax.Array:
