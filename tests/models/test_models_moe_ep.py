@@ -213,3 +213,49 @@ def test_config_errors():
     mesh = shd.make_mesh(shd.MeshConfig(fsdp=8))  # tiny-qwen3-moe has 4 experts
     with pytest.raises(ValueError, match=r"model\.expert_parallel = True: the 4 experts do not split over the 8 "):
         build_model(ModelSection(preset="tiny-qwen3-moe", expert_parallel=True), mesh, weights=False)
+
+
+def test_policy_sync_merges_each_devices_own_experts():
+    """An engine whose float32 masters hold the experts split over fsdp 8 (`RolloutWeights` in the trainer's
+    expert-parallel shardings) takes a LoGRA delta: it applies (its fingerprint equals the trainer's merged
+    weights'), its weights are bitwise a one-device merge's, and its compiled merge moves nothing between devices
+    and multiplies U_e·A_e of its own expert only (1/8 of the merge's matmul flops per device)."""
+    from logra_jax.core.tree_paths import flat_params, path_str
+    from logra_jax.optim import logra
+    from logra_jax.optim.lowrank import apply_updates, is_lowrank
+    from logra_jax.planner.hlo_cost import hlo_cost
+    from logra_jax.rollout.sync import delta_payload, snapshot_payload
+    from logra_jax.rollout.worker import RolloutWeights
+
+    config = CONFIGS["qwen3_moe"]
+    mesh = shd.make_mesh(shd.MeshConfig(fsdp=8))
+    state = _expert_parallel(init_model(config, seed=2), mesh)[1]
+    params = nnx.split_state(state, nnx.Param, ...)[0]
+    experts = {p: a for p, a in flat_params(params).items() if p.startswith("blocks.mlp.") and "router" not in p}
+    assert {a.sharding.spec[1] for a in experts.values()} == {"fsdp"}
+    tx = logra(rank=RANK, update_ratio=3e-3, round_bf16=False)
+    grads = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=jnp.float32).reshape(a.shape) * 0.37), params)
+    updates = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
+    merged = jax.jit(apply_updates)(params, updates)
+
+    shardings = {p: a.sharding for p, a in flat_params(params).items()}
+    rollout = RolloutWeights(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), shardings)
+    assert rollout.receive(snapshot_payload(params, 0)).status == "loaded"
+    assert rollout.receive(delta_payload(updates, merged, 1)).status == "applied"
+    host = lambda tree: {p: np.asarray(a) for p, a in flat_params(tree).items()}
+    local = host(jax.jit(apply_updates)(*jax.device_put((params, updates), jax.devices()[0])))
+    for path, value in host(rollout.params).items():
+        np.testing.assert_array_equal(value, local[path], err_msg=path)
+        if path in experts:
+            assert rollout.params is not None and flat_params(rollout.params)[path].sharding == shardings[path]
+
+    # the expert kernels' merge alone, as the engine compiles it
+    only = lambda tree: {p: v for p, v in flat_params(tree).items() if p in experts}
+    ups = {path_str(k): u for k, u in jax.tree_util.tree_leaves_with_path(updates, is_leaf=is_lowrank)
+           if path_str(k) in experts}
+    program = jax.jit(apply_updates, out_shardings={p: shardings[p] for p in experts}).lower(only(params), ups)
+    text = program.compile().as_text()
+    cost = hlo_cost(text)
+    assert cost.collective_bytes == 0, cost
+    whole = sum(2 * np.prod(a.shape) * RANK for a in experts.values())  # U [.., d, r] · A [.., r, k] per expert
+    assert cost.matmul_flops == whole / 8, (cost.matmul_flops, whole)
