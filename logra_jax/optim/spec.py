@@ -124,8 +124,8 @@ class SketchSpec:
           [0, 0, 0, 3, 3, 3, 6]
         """
         step = jnp.asarray(step, jnp.int32)
-        if not self.refresh:
-            return jnp.zeros_like(step)
+        if not self.refresh:  # not zeros_like: its result would carry step's sharding into a shard_map's body
+            return jnp.zeros(jnp.shape(step), jnp.int32)
         return step if self.refresh_every == 1 else step - step % self.refresh_every
 
     def rank_for(self, path: str) -> int:
