@@ -73,16 +73,16 @@ def _program(graphdef, mesh=None, sketches=False):
             mask = batch["loss_mask"][:, 1:]
             return jnp.sum(nll * mask) / mask.sum(), logits
 
-    def sketch(probes, params, others, batch):
-        with sketching(jnp.int32(3)):
+    def sketch(probes, params, others, batch, step):
+        with sketching(step):
             return loss(params, nnx.merge_state(probes, others), batch)[0]
 
-    def run(params, rest, batch):
+    def run(params, rest, batch, step=3):
         (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params, rest, batch)
         if not sketches:
             return value, logits, grads, None
         probes, others = nnx.split_state(rest, SketchProbe, ...)
-        return value, logits, grads, jax.grad(sketch)(probes, params, others, batch)
+        return value, logits, grads, jax.grad(sketch)(probes, params, others, batch, step)
 
     return jax.jit(run, compiler_options=shd.FAST_CPU_COMPILE)
 
@@ -92,22 +92,34 @@ def _rel(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+_REFERENCES: dict[str, tuple] = {}
+
+
+def _reference(family, random_model):
+    """(model with LoGRA probes, its targets, the spec, and its unsharded loss, logits and dense grads), once per
+    family."""
+    if family not in _REFERENCES:
+        model = random_model(CONFIGS[family])
+        spec = SketchSpec(rank=RANK, refresh=False)
+        targets = attach_sketch_probes(model, spec)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        _REFERENCES[family] = (model, targets, spec, _program(graphdef)(params, rest, _batch())[:3])
+    return _REFERENCES[family]
+
+
 @pytest.mark.parametrize(("family", "mesh_config", "sketches"), CASES, ids=str)
 def test_expert_parallel_equals_unsharded(family, mesh_config, sketches, random_model):
     """Logits, loss and every parameter's gradient equal the unsharded model's (1e-5); with `sketches`, each
     expert's LoGRA sketch equals G_e·A_eᵀ of the unsharded dense gradient (1e-5 of the slice's largest entry)."""
-    model = random_model(CONFIGS[family])
-    spec = SketchSpec(rank=RANK, refresh=False)
-    targets = attach_sketch_probes(model, spec)
+    model, targets, spec, (loss, logits, grads) = _reference(family, random_model)
     batch = _batch()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss, logits, grads, _ = _program(graphdef)(params, rest, batch)
 
     mesh = shd.make_mesh(mesh_config)
     ep_graph, state = _expert_parallel(model, mesh)
     ep_graph, ep_params, ep_rest = nnx.split(nnx.merge(ep_graph, state), nnx.Param, ...)
     assert ep_params["blocks"]["mlp"]["gate_proj"]["kernel"][...].sharding.spec[1] == "fsdp"
-    ep_loss, ep_logits, ep_grads, ep_sketches = _program(ep_graph, mesh, sketches)(ep_params, ep_rest, batch)
+    step = jax.device_put(jnp.int32(3), shd.replicated(mesh))  # traced and sharded, as a train step's counter
+    ep_loss, ep_logits, ep_grads, ep_sketches = _program(ep_graph, mesh, sketches)(ep_params, ep_rest, batch, step)
     assert _rel(ep_logits, logits) <= 1e-5 and _rel(ep_loss, loss) <= 1e-5
     dense, ep_dense = _flat(grads), _flat(ep_grads)
     assert dense.keys() == ep_dense.keys()
