@@ -22,6 +22,13 @@ Placements (experiments/memory/fits.py plans each; the settings they change are 
   `:qwen3-32b`   Qwen3-32B on 8 × 80 GB GPUs                    (--target=h100:8)
   `:7b,1gpu`     Qwen2.5-Math-7B on one 80 GB GPU               (--target=h100:1)
   `:1.5b,1chip`  Qwen2.5-Math-1.5B on one TPU v5e chip (16 GiB, a Colab TPU)   (--target=v5e:1x1)
+Mixture-of-experts placements (Qwen3-MoE presets `qwen3-30b-a3b` and `qwen3-235b-a22b`; same recipe):
+  `:30b-a3b`         Qwen3-30B-A3B on 8 × 80 GB GPUs            (--target=h100:8)
+  `:30b-a3b,4chip`   Qwen3-30B-A3B on 4 TPU v5p chips (95 GiB)   (--target=v5p:2x2x1)
+  `:30b-a3b,v5e8`    Qwen3-30B-A3B on 8 TPU v5e chips (16 GiB)    (--target=v5e:2x4)
+  `:235b-a22b`       Qwen3-235B-A22B on 8 × 80 GB GPUs           (--target=h100:8)
+  `:235b-a22b,h200`  Qwen3-235B-A22B on 8 × 141 GB GPUs, the trainer in the engine's layout, experts at
+                     LoGRA rank 64   (--target=h200:8)
 The mesh is FSDP over every device (train.mesh_fsdp = -1). Plan the whole job before renting accelerators:
   python -m logra_jax.plan --config=configs/paper_qwen2.5_math.py:7b --target=v5e:2x4
 """
@@ -31,10 +38,12 @@ import ml_collections
 from logra_jax.job.run_config import RunConfig, check_variant
 
 # Placement variants → the devices they are planned for (the microbatches follow from the count).
-PLACEMENTS = {"72b": 8, "72b,4chip": 4, "qwen3-32b": 8, "7b,1gpu": 1, "1.5b,1chip": 1}
+PLACEMENTS = {"72b": 8, "72b,4chip": 4, "qwen3-32b": 8, "7b,1gpu": 1, "1.5b,1chip": 1, "30b-a3b": 8,
+              "30b-a3b,4chip": 4, "30b-a3b,v5e8": 8, "235b-a22b": 8, "235b-a22b,h200": 8}
 VARIANTS = ("1.5b", "7b", "27b", "qwen3-8b", "dense-27b", "1.5b,runlocal", "7b,runlocal", *PLACEMENTS)
 PRESETS = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b", "27b": "gemma3-27b", "qwen3-8b": "qwen3-8b",
-           "dense-27b": "dense-27b", "72b": "qwen2.5-72b", "qwen3-32b": "qwen3-32b"}
+           "dense-27b": "dense-27b", "72b": "qwen2.5-72b", "qwen3-32b": "qwen3-32b", "30b-a3b": "qwen3-30b-a3b",
+           "235b-a22b": "qwen3-235b-a22b"}
 
 
 def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
@@ -65,6 +74,34 @@ def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
         # (experiments/memory/plan/72b_v5p_2x2x1_fsdp4.json). Tensor parallelism does not split rows: one
         # response per microbatch.
         c.train.update(mesh_fsdp=1, mesh_tensor=4, microbatches=c.rollout.prompts_per_step * c.rollout.num_samples)
+    # The MoE placements keep `place`'s settings (bfloat16 weights from the first byte, one response per device per
+    # microbatch, 32 slots, full remat). Qwen3-MoE has 4 KV heads, so the colocated engine's tensor group is at most
+    # 4 and on 8 devices it holds 1/4 of the weights per device (`engine_layout`'s docstring).
+    #  - `:30b-a3b` (h100:8), `:30b-a3b,4chip` (v5p:2x2x1) and `:30b-a3b,v5e8` (v5e:2x4): FSDP over every device;
+    #    the engine's own tensor-4 copy is 15.3 GB per device. On v5e (16 GiB) that copy beside the trainer's
+    #    1/8 shards (7.6 GB) is what the rollout cannot hold; the trainer in the engine's layout instead would put
+    #    15.3 GB of weights on every 16 GiB chip before any state, sketch or activation.
+    #  - `:235b-a22b` (h100:8): FSDP over the 8 GPUs (58.8 GB of bf16 weights per GPU). The engine's tensor-4 copy
+    #    alone is 117.5 GB per GPU, more than an H100 holds, whatever the trainer's layout: the plan shows the
+    #    rollout as the phase that stops it (its program's arguments, the engine's weights and KV cache, are
+    #    112.78 GiB per GPU before any temporary).
+    #  - `:235b-a22b,h200` (h200:8): the trainer in the engine's layout (`engine_layout`), so the weights are held
+    #    once (1/4 per device, 117.5 GB), not 1/8 + 1/4 (176 GB); the train step's room beside them is the rest
+    #    of the 141 GB, so the experts take a smaller LoGRA rank (`optimizer.rank_rules`: the sketches of the
+    #    down projections, [E, D, r] float32 per layer with D over no mesh axis in this layout, are 50.5 GB per
+    #    device at r = 256 and 12.6 GB at r = 64; attention keeps r = 256).
+    #  - XLA:GPU (jaxlib 0.10.2) lowers `jax.lax.ragged_dot` to a dense product over every expert (64× the flops
+    #    and a [G, M, N] temporary on a 64-expert example; libtpu runs its grouped-matmul kernel): on the GPU
+    #    targets the MoE programs' temporaries are that expansion's (experiments/memory/README.md).
+    #  - On GPUs the engine holds the stacked layers (`rollout.decode_layers = "stacked"`), not one array per layer:
+    #    the same bytes held, and XLA:GPU compiles the scanned decode step in minutes where the 94 unrolled MoE
+    #    layers of 235B took 12 minutes for the refill program alone on this 2-core machine (on paper the per-layer
+    #    engine reads fewer bytes per decode step: XLA:GPU copies a stack's slices, see rollout.decode_layers).
+    if size in ("30b-a3b", "235b-a22b"):
+        c.rollout.decode_layers = "stacked"
+    if arg == "235b-a22b,h200":
+        engine_layout(c, devices=8, tensor=4)
+        c.optimizer.rank_rules = "mlp=64"  # the experts (every MLP of Qwen3-MoE is one); see above
     if variant == "runlocal":
         c.rollout.update(prompts_per_step=8, max_new_tokens=64)
         c.task.eval_size = 16
@@ -88,3 +125,24 @@ def place(c: ml_collections.ConfigDict, devices: int) -> None:
     c.train.microbatches = c.rollout.prompts_per_step * c.rollout.num_samples // devices
     # rollout.slots stays 32 (the KV cache of 32 rows, spread over the devices) and model.overrides.remat "full"
     # (each block's activations recomputed in the backward): the recipe's own settings already.
+
+
+def engine_layout(c: ml_collections.ConfigDict, devices: int, tensor: int) -> None:
+    """The trainer in the colocated engine's decode layout, so that the engine holds the trainer's bfloat16
+    matrices as they are (no second copy of the weights), as `:72b,4chip` does.
+
+    Qwen3-MoE has 4 KV heads, so the engine's tensor group is at most 4 (`rollout.engine.decode_tensor_sizes`:
+    every device holds whole KV heads) and on 8 devices its weights are split over 4 and replicated over the 2
+    data-parallel groups: 1/4 of the weights per device, whatever the trainer does. With an FSDP trainer (1/8) the
+    rollout holds both, 3/8 of the weights per device; in this layout, 1/4. `model.expert_parallel` splits the
+    trainer's experts over the fsdp axis, which is 1 here and in the engine's decode layout: experts split over
+    the data-parallel groups in the engine would bring it to about 1/8.
+    """
+    # data 2 × tensor 4: rollout.engine.decode_mesh's (data = n / t, fsdp = 1, tensor = t) mesh, device order
+    # included, so every trainer leaf's sharding is the engine's.
+    c.train.update(mesh_data=devices // tensor, mesh_fsdp=1, mesh_tensor=tensor)
+    c.rollout.decode_tensor = tensor
+    # The engine holds the trainer's stacks (on GPUs "per_layer" would hold one array per layer: a copy).
+    c.rollout.decode_layers = "stacked"
+    # One response per data-parallel group per microbatch (tensor parallelism does not split rows).
+    c.train.microbatches = c.rollout.prompts_per_step * c.rollout.num_samples // c.train.mesh_data
