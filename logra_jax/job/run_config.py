@@ -212,10 +212,9 @@ class RolloutSection:
     engine: "jax" (ours, colocated or a worker process by `workers`) or "vllm" (vLLM in its own process from the
     venv of `make venv-vllm`, fed by low-rank sync); vllm_<field>: what the job passes to vLLM, the fields of
     `logra_jax.rollout.vllm.settings.VLLMSettings` (its interpreter, tensor parallel size, GPU memory fraction, dtype,
-    max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES).
-    routing_replay: an MoE model's train step routes each token by the experts the engine chose for it (recorded
-    by the JAX engine with every MoE rollout), the router still weighing them (`logra_jax.models.moe.route`);
-    not available with engine="vllm"."""
+    max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES); routing_replay: an MoE model's train step routes
+    each token by the experts the engine chose for it (recorded by the JAX engine with every MoE rollout), the
+    router still weighing them (`logra_jax.models.moe.route`); not available with engine="vllm"."""
 
     prompts_per_step: int = 16
     num_samples: int = 4
