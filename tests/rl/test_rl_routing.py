@@ -145,3 +145,29 @@ def test_train_step_reports_routing_metrics(near_tie, replay):
     loss_fn = make_policy_loss_fn(LossConfig(), P, routing_replay=True)
     with pytest.raises(ValueError, match=r"routing_replay needs batch\['experts'\]"):
         loss_fn(model, {k: v for k, v in batch.items() if k != "experts"})
+
+
+def test_routing_replay_config_is_validated():
+    from logra_jax.job.run_config import RunConfig
+
+    assert RunConfig().rollout.routing_replay is False
+    assert RunConfig.from_dict({"rollout": {"routing_replay": True}}).rollout.routing_replay is True
+    with pytest.raises(ValueError, match=r"config\.rollout\.routing_replay = True: needs rollout\.engine='jax'"):
+        RunConfig.from_dict({"rollout": {"routing_replay": True, "engine": "vllm"}})
+    with pytest.raises(ValueError, match=r"config\.rollout\.routing_replay = 'yes'"):
+        RunConfig.from_dict({"rollout": {"routing_replay": "yes"}})
+
+
+def test_routing_replay_of_a_dense_model_is_rejected_when_the_step_is_built():
+    from logra_jax.job.phases import Trainer, rollout_experts
+    from logra_jax.job.run_config import RunConfig
+    from logra_jax.parallel.sharding import MeshConfig, make_mesh
+
+    run = RunConfig.from_dict({"rollout": {"routing_replay": True}, "optimizer": {"rank": 4}})
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    trainer = Trainer.build(run, init_model(preset("tiny"), seed=0), mesh)
+    with pytest.raises(ValueError, match=r"routing_replay = True: the model \('llama'\) has no experts"):
+        trainer.rl_step(run, mesh, P)
+    moe = preset("tiny-qwen3-moe")
+    assert rollout_experts(moe, "jax") == (2, 2, jnp.uint8) and rollout_experts(moe, "vllm") is None
+    assert rollout_experts(preset("tiny"), "jax") is None
