@@ -41,6 +41,8 @@ from logra_jax.parallel.sharding import constrain, use_rules
 from logra_jax.rollout.sampling import Rollout, SamplingConfig, row_keys, sample_tokens
 
 REFILL_FRACTION = 0.25  # refill once this share of the slots is free (each refill costs a [K, P] prefill)
+# Logical axes of the recorded expert ids [R, P + N, MoE layers, k]: rows over the batch axes, like the rollout's.
+EXPERT_AXES = ("batch", None, None, None)
 
 
 class Slots(NamedTuple):
@@ -86,7 +88,8 @@ def init_slots(model: Decoder, prompt_len: int, config: SamplingConfig, num_slot
     """Empty slots (all idle) and output rows filled with pad_id / 0 (traced inside the engine's first program)."""
     N = config.max_new_tokens
     cache = model.init_cache(num_slots, prompt_len + N)
-    experts = unrecorded_experts(model.config, (rows, prompt_len + N)) if model.config.moe else None
+    experts = (constrain(unrecorded_experts(model.config, (rows, prompt_len + N)), EXPERT_AXES)
+               if model.config.moe else None)
     return Slots(cache=cache, logits=jnp.zeros((num_slots, model.config.vocab_size), jnp.float32),
                  row=jnp.full((num_slots,), -1, jnp.int32), t=jnp.zeros((num_slots,), jnp.int32),
                  done=jnp.ones((num_slots,), bool), tokens=jnp.full((rows, N), config.pad_id, jnp.int32),
@@ -124,7 +127,7 @@ def refill(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, prompts: jax.
             ids = jnp.where(real[:, :, None, None], ids.astype(experts.dtype), unrecorded_experts(model.config,
                                                                                                 (K, P)))
             rows = jnp.where(dest < slots.row.shape[0], new_rows, experts.shape[0])  # idle lanes write nowhere
-            experts = experts.at[rows, :P].set(ids[src], mode="drop")
+            experts = constrain(experts.at[rows, :P].set(ids[src], mode="drop"), EXPERT_AXES)
         total = slots.cache.valid.shape[1]
         put = lambda buf, new: buf.at[dest].set(new[src].astype(buf.dtype), mode="drop")
 
@@ -178,8 +181,8 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, slots: Slots, key: jax.Arr
             if s.experts is not None:  # the token just fed, response token t − 1 at position P + t − 1
                 fed_row = jnp.where(~s.done, s.row, R)
                 P = s.experts.shape[1] - N
-                s = s._replace(experts=s.experts.at[fed_row, P + s.t - 1].set(ids[:, 0].astype(s.experts.dtype),
-                                                                                mode="drop"))
+                experts = s.experts.at[fed_row, P + s.t - 1].set(ids[:, 0].astype(s.experts.dtype), mode="drop")
+                s = s._replace(experts=constrain(experts, EXPERT_AXES))
             return i + 1, s._replace(cache=cache, logits=logits[:, 0])
 
         _, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots._replace(cache=window)))

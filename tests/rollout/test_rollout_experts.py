@@ -66,3 +66,26 @@ def test_a_dense_model_records_none_and_rollouts_without_experts_load():
     assert Rollout.from_arrays(arrays).experts is None
     arrays["experts"] = np.zeros((9, P + N, 2, 2), np.uint8)
     assert Rollout.from_arrays(arrays).experts.dtype == jnp.uint8
+
+
+def test_colocated_engine_on_8_devices_records_a_one_device_samplers_experts_split_over_rows():
+    """The colocated engine (trainer FSDP 8, decode layout data 4 × tensor 2): the same tokens and recorded
+    experts as a one-device sampler on its weights, the ids' rows split over the decode layout's data axis."""
+    from logra_jax.parallel.sharding import MeshConfig, make_mesh, param_shardings
+    from logra_jax.rollout.engine import ColocatedEngine
+
+    config = preset("tiny-qwen3-moe", tie_embeddings=False)
+    sampling = SamplingConfig(max_new_tokens=N, eos_id=1, pad_id=0, num_samples=2, slots=4, decode_steps=3)
+    prompts = np.concatenate([PROMPTS, PROMPTS[:1, ::-1]])
+    mask = prompts != 0
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    _, params, rest = nnx.split(_sharp(config), nnx.Param, ...)
+    params = jax.device_put(params, param_shardings(params, mesh))
+    engine = ColocatedEngine(config, sampling, mesh, params, rest, tensor=2)
+    got = engine.generate(prompts, mask, jax.random.key(3))
+    want = Sampler(nnx.merge(engine.graphdef, jax.device_get(engine.state)), sampling)(
+        jnp.asarray(prompts), jnp.asarray(mask), jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.experts), np.asarray(want.experts))
+    experts = got.experts
+    assert np.prod(experts.sharding.shard_shape(experts.shape)) * 4 == experts.size, experts.sharding
