@@ -83,7 +83,7 @@ class ExpertDispatch(nnx.Module, pytree=False):
                         if lin.lowrank_hook is not None or a == "kernel") for lin in linears]
         tokens = P(token_axes or None)
         experts = jax.tree.map(lambda _: P(EXPERT_AXIS), arrays)
-        k = self.moe.k
+        k, g = self.moe.k, mesh.shape[EXPERT_AXIS]
 
         # the kernel-side inputs vary like the tokens do over the other token axes (their cotangents are summed there)
         others = tuple(a for a in token_axes if a != EXPERT_AXIS)
@@ -92,7 +92,10 @@ class ExpertDispatch(nnx.Module, pytree=False):
             arrays = jax.tree.map(lambda a: jax.lax.pcast(a, others, to="varying") if others else a, arrays)
             if gather:
                 x, w, e = (jax.lax.all_gather(t, EXPERT_AXIS, axis=0, tiled=True) for t in (x, w, e))
-            y = local_experts(x, w, e, linears, arrays, k, jax.lax.axis_index(EXPERT_AXIS))
+            # 2g chunks of the pairs (≈ 2 of them hold a device's own under balanced routing), else fewer
+            chunks = next(c for c in (2 * g, g, 1) if x.shape[0] * k % c == 0)
+            y = local_experts(x, w, e, linears, arrays, k, jax.lax.axis_index(EXPERT_AXIS), chunks,
+                              tuple(sorted(manual)))
             if gather:
                 return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
             return jax.lax.psum(y, EXPERT_AXIS)
@@ -103,11 +106,16 @@ class ExpertDispatch(nnx.Module, pytree=False):
 
 
 def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, linears: list[ExpertLinear],
-                  arrays: list[tuple[jax.Array, ...]], k: int, shard: jax.Array) -> jax.Array:
+                  arrays: list[tuple[jax.Array, ...]], k: int, shard: jax.Array, chunks: int = 1,
+                  varying: tuple[str, ...] = ()) -> jax.Array:
     """The weighted sum over the slots routed to this device's experts [M, D] of tokens x [M, D] routed to ids
     [M, k] with weights [M, k]: the experts shard·E_l … shard·E_l + E_l − 1 (E_l = the local kernels' leading
-    size), each multiplying its own rows only (ragged_dot; rows of the other devices' experts are zero and get
-    zero weight).
+    size), each multiplying its own rows only (ragged_dot).
+
+    The M·k (token, slot) pairs are sorted with this device's first; a scan over `chunks` equal chunks of them
+    computes only the chunks that hold any of its pairs (`lax.cond`), so the work follows the rows the device
+    really has (≈ M·k / g under balanced routing) and not the static M·k its buffer must allow: dropless with no
+    capacity. Each chunk's outputs, times their routing weights, are added to their tokens' rows.
 
     Args:
       x, weights, ids: the tokens, routing weights and global expert ids.
@@ -115,30 +123,50 @@ def local_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, linears: lis
       arrays: per linear, its local kernel [E_l, in, out] and, with a sketch hook, its probe and digest.
       k: experts per token.
       shard: this device's index along the expert axis.
+      chunks: how many chunks the M·k pairs are cut into (must divide M·k).
+      varying: inside a shard_map, the manual mesh axes the result varies over.
 
     Returns:
-      [M, D] in x's dtype.
+      [M, D] in x's dtype (summed in float32).
     """
     local_count = arrays[0][0].shape[0]
     M, D = x.shape
+    pairs = M * k
+    size = pairs // chunks
     index = ids.reshape(-1) - shard * local_count
     mine = (index >= 0) & (index < local_count)
-    key = jnp.where(mine, index, local_count)  # other devices' pairs sort last, past Σ group_sizes
+    key = jnp.where(mine, index, local_count)  # other devices' pairs sort last
     order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=local_count + 1)[:local_count].astype(jnp.int32)
-    rows = jnp.take(x, order // k, axis=0) * jnp.take(mine, order)[:, None].astype(x.dtype)
-
-    def apply(linear: ExpertLinear, h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
-        if linear.lowrank_hook is not None:
-            return linear.lowrank_hook(h, *parts, group_sizes)
-        return jax.lax.ragged_dot(h, parts[0].astype(h.dtype), group_sizes)
-
+    ends = jnp.cumsum(jnp.bincount(key, length=local_count + 1)[:local_count]).astype(jnp.int32)
+    starts, total = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends[-1]
+    kept = jnp.take(jnp.where(mine, weights.reshape(-1), 0), order)
     gate, up, down = linears
-    h = jax.nn.silu(apply(gate, rows, arrays[0])) * apply(up, rows, arrays[1])
-    out = apply(down, h, arrays[2])
-    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(M, k, D)
-    kept = jnp.where(mine.reshape(M, k), weights, 0).astype(out.dtype)
-    return jnp.einsum("nkd,nk->nd", out, kept)
+
+    def compute(y: jax.Array, lo: jax.Array) -> jax.Array:
+        pair = jax.lax.dynamic_slice_in_dim(order, lo, size)
+        valid = lo + jnp.arange(size) < total
+        rows = jnp.take(x, pair // k, axis=0) * valid[:, None].astype(x.dtype)
+        group_sizes = jnp.clip(ends, lo, lo + size) - jnp.clip(starts, lo, lo + size)
+
+        def apply(linear: ExpertLinear, h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+            if linear.lowrank_hook is not None:
+                return linear.lowrank_hook(h, *parts, group_sizes)
+            return jax.lax.ragged_dot(h, parts[0].astype(h.dtype), group_sizes)
+
+        h = jax.nn.silu(apply(gate, rows, arrays[0])) * apply(up, rows, arrays[1])
+        out = apply(down, h, arrays[2]).astype(jnp.float32)
+        w = jax.lax.dynamic_slice_in_dim(kept, lo, size) * valid
+        return y.at[pair // k].add(out * w[:, None])
+
+    def chunk(y: jax.Array, j: jax.Array) -> tuple[jax.Array, None]:
+        lo = j * size
+        return jax.lax.cond(lo < total, compute, lambda y, _: y, y, lo), None
+
+    y = jnp.zeros((M, D), jnp.float32)
+    if varying:  # the sum varies over the mesh axes its terms do (inside a shard_map): so must its start
+        y = jax.lax.pcast(y, varying, to="varying")
+    y = jax.lax.scan(chunk, y, jnp.arange(chunks, dtype=jnp.int32))[0]
+    return y.astype(x.dtype)
 
 
 def check_divides(num_experts: int, mesh: Mesh) -> None:
