@@ -11,19 +11,21 @@ Dispatch (`ExpertDispatch`, the `MoE.dispatch_hook`), in a `jax.shard_map` manua
 fsdp (tensor stays automatic), per device of an fsdp group of g devices holding n tokens each:
 
     all-gather the group's tokens x [g·n, D], their expert ids and routing weights [g·n, k] over fsdp
-    keep the (token, slot) pairs routed to the device's own E/g experts, sorted by expert (the others get the
-        rows past Σ group_sizes, zeroed, and a zero weight)
-    ragged_dot over the local kernels (gate, up, SwiGLU, down): each local expert multiplies its own tokens only
-    y_partial [g·n, D] = Σ over the local slots of weight · expert output
+    sort the g·n·k (token, slot) pairs with those of the device's own E/g experts first, by expert
+    scan 2g equal chunks of them, computing a chunk only if it holds any of the device's pairs (`lax.cond`):
+        ragged_dot over the local kernels (gate, up, SwiGLU, down), each local expert on its own rows only,
+        y_partial[token] += weight · expert output   (float32)
     psum_scatter over fsdp: token owner i gets y_i = Σ over the g devices (each token's k experts, wherever they live)
 
-Dropless and capacity-free: the shapes are static ([g·n·k] rows per device, the case where every pair is local)
-and nothing is ever dropped. The transpose of the all-gather is a reduce-scatter and vice versa, so the backward
-moves the same bytes. Against an all-to-all of the (token, slot) pairs (`jax.lax.ragged_all_to_all`), which sends
-n·k·(g−1)/g rows per device, the all-gather receives n·(g−1): the same bytes at k = g (Qwen3-MoE's top-8 on 8
-devices), k/g of them for fewer experts per token, with no offsets exchanged first and no data-dependent sizes.
-Per device the expert weights never move, against FSDP's all-gather of every expert's whole kernels (3·E·D·F
-elements per layer, forward and backward) and reduce-scatter of their gradients.
+Dropless and capacity-free: the shapes are static (a device may own all g·n·k pairs) and nothing is ever dropped,
+while the work follows the pairs a device really owns (≈ n·k under balanced routing: about 2 of the 2g chunks) —
+libtpu's ragged_dot pays for every row it is given, so one ragged_dot over the whole static buffer cost 8× the
+expert work on 8 devices (experiments/moe/README.md). The transpose of the all-gather is a reduce-scatter and
+vice versa, so the backward moves the same bytes. Against an all-to-all of the (token, slot) pairs
+(`jax.lax.ragged_all_to_all`), which sends n·k·(g−1)/g rows per device, the all-gather receives n·(g−1): the same
+bytes at k = g (Qwen3-MoE's top-8 on 8 devices), k/g of them for fewer experts per token, with no offsets exchanged
+first and no data-dependent sizes. Per device the expert weights never move, against FSDP's all-gather of every
+expert's whole kernels (3·E·D·F elements per layer, forward and backward) and reduce-scatter of their gradients.
 
 A LoGRA sketch hook on an expert kernel (`logra_jax.native.sketch_probes.ExpertLowRankHook`) runs inside the map on
 the device's own experts, their probes, digests and group sizes: the sketch of expert e is still G_e·A_eᵀ on e's
