@@ -136,11 +136,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="v5e:2x4")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "expert_parallel.json"))
+    parser.add_argument("--layouts", default="fsdp,expert_parallel",
+                        help="the train-step layouts to measure (the others' entries of --out are kept)")
     args = parser.parse_args(argv)
     mesh = aot.mesh(args.target)
-    results: dict[str, Any] = {"target": args.target, "layers": args.layers, "mesh": dict(mesh.shape),
-                               "prompt_len": PROMPT_LEN}
+    out = Path(args.out)
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    results.update(target=args.target, layers=args.layers, mesh=dict(mesh.shape), prompt_len=PROMPT_LEN)
+    layouts = args.layouts.split(",")
     for name, ep in (("fsdp", False), ("expert_parallel", True)):
+        if name not in layouts:
+            continue
         start = time.time()
         run = recipe(args.target, args.layers, ep)
         step, trainer = train_step(run, mesh)
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"({time.time() - start:.0f} s)", flush=True)
     results["command"] = ("JAX_PLATFORMS=cpu .venv-tpu/bin/python -m experiments.moe.expert_parallel "
                           f"--target={args.target} --layers={args.layers}")
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -18,14 +18,15 @@ fsdp (tensor stays automatic), per device of an fsdp group of g devices holding 
     psum_scatter over fsdp: token owner i gets y_i = Σ over the g devices (each token's k experts, wherever they live)
 
 Dropless and capacity-free: the shapes are static (a device may own all g·n·k pairs) and nothing is ever dropped,
-while the work follows the pairs a device really owns (≈ n·k under balanced routing: about 2 of the 2g chunks) —
-libtpu's ragged_dot pays for every row it is given, so one ragged_dot over the whole static buffer cost 8× the
-expert work on 8 devices (experiments/moe/README.md). The transpose of the all-gather is a reduce-scatter and
-vice versa, so the backward moves the same bytes. Against an all-to-all of the (token, slot) pairs
-(`jax.lax.ragged_all_to_all`), which sends n·k·(g−1)/g rows per device, the all-gather receives n·(g−1): the same
-bytes at k = g (Qwen3-MoE's top-8 on 8 devices), k/g of them for fewer experts per token, with no offsets exchanged
-first and no data-dependent sizes. Per device the expert weights never move, against FSDP's all-gather of every
-expert's whole kernels (3·E·D·F elements per layer, forward and backward) and reduce-scatter of their gradients.
+while the work follows the pairs a device really owns (≈ n·k under balanced routing: about 2 of the 2g chunks),
+whether or not a backend's ragged_dot stops at Σ group_sizes (the compiled cost charges a ragged_dot every row it
+is given: one over the whole buffer counts 8× the expert rows on 8 devices, experiments/moe/README.md). The
+transpose of the all-gather is a reduce-scatter and vice versa, so the backward moves the same bytes. Against an
+all-to-all of the (token, slot) pairs (`jax.lax.ragged_all_to_all`), which sends n·k·(g−1)/g rows per device, the
+all-gather receives n·(g−1): the same bytes at k = g (Qwen3-MoE's top-8 on 8 devices), k/g of them for fewer
+experts per token, with no offsets exchanged first and no data-dependent sizes. Per device the expert weights
+never move, against FSDP's all-gather of every expert's whole kernels (3·E·D·F elements per layer, forward and
+backward) and reduce-scatter of their gradients.
 
 A LoGRA sketch hook on an expert kernel (`logra_jax.native.sketch_probes.ExpertLowRankHook`) runs inside the map on
 the device's own experts, their probes, digests and group sizes: the sketch of expert e is still G_e·A_eᵀ on e's
