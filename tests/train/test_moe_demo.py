@@ -1,5 +1,7 @@
 """The CPU demo's mixture-of-experts variant (configs/demo.py:moe): the dense demo's task and recipe on a Qwen3-MoE
-decoder whose active MLP matches the dense demo's, and a 2-step `python -m logra_jax.main` run of it that finishes."""
+decoder whose active MLP matches the dense demo's; and a 2-step `python -m logra_jax.main` run on the tiny MoE preset
+that finishes (15 s on 2 cores; the demo-size variant's SFT and model make it ~3× longer, so the config tests cover
+it and experiments/moe/learning.py runs it)."""
 
 import json
 import math
