@@ -89,7 +89,10 @@ def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
     #    once (1/4 per device, 117.5 GB), not 1/8 + 1/4 (176 GB); the train step's room beside them is the rest
     #    of the 141 GB, so the experts take a smaller LoGRA rank (`optimizer.rank_rules`: the sketches of the
     #    down projections, [E, D, r] float32 per layer with D over no mesh axis in this layout, are 50.5 GB per
-    #    device at r = 256 and 12.6 GB at r = 64; attention keeps r = 256).
+    #    device at r = 256 and 12.6 GB at r = 64; attention keeps r = 256). r = 64 is that arithmetic, not a
+    #    measured fit: the plan's weights, state and cache fit (118.30 GiB of 141 in the rollout) but XLA:GPU's
+    #    temporaries (below) overflow every MoE program, so it cannot yet say which r the experts need here. On
+    #    4 × v5p the 30B job fits at r = 256 for every target.
     #  - XLA:GPU (jaxlib 0.10.2) lowers `jax.lax.ragged_dot` to a dense product over every expert (64× the flops
     #    and a [G, M, N] temporary on a 64-expert example; libtpu runs its grouped-matmul kernel): on the GPU
     #    targets the MoE programs' temporaries are that expansion's (experiments/memory/README.md).
@@ -97,8 +100,19 @@ def get_config(arg: str = "1.5b") -> ml_collections.ConfigDict:
     #    the same bytes held, and XLA:GPU compiles the scanned decode step in minutes where the 94 unrolled MoE
     #    layers of 235B took 12 minutes for the refill program alone on this 2-core machine (on paper the per-layer
     #    engine reads fewer bytes per decode step: XLA:GPU copies a stack's slices, see rollout.decode_layers).
+    #  - Expert parallelism (`model.expert_parallel`: each device holds E / n experts whole, tokens all-gathered to
+    #    them) on the GPU FSDP placements: at 235B on 8 × H100 it brings the train step from 325.06 to 181.16 GiB
+    #    (XLA:GPU multiplies every token by every expert it holds, see above: E / n of them instead of E). Not on
+    #    the TPUs: on 8 × v5e the 30B train step's temporaries grew from 19.15 to 27.54 GiB with it (the gathered
+    #    tokens), the rollout unchanged (the engine's decode layout has no fsdp axis to split the experts over).
     if size in ("30b-a3b", "235b-a22b"):
         c.rollout.decode_layers = "stacked"
+        c.model.expert_parallel = arg in ("30b-a3b", "235b-a22b")
+    if arg == "30b-a3b":
+        # 16 rollout slots, not 32: XLA:GPU's dense expert products scale with the rows the engine runs at once;
+        # at 32 slots the rollout needs 90.39 GiB of the 80 (`python -m logra_jax.plan ... --target=h100:8`), at
+        # 16 it needs 57.44 (its time on paper 15.4 min against 9.6: more waves of decode steps).
+        c.rollout.slots = 16
     if arg == "235b-a22b,h200":
         engine_layout(c, devices=8, tensor=4)
         c.optimizer.rank_rules = "mlp=64"  # the experts (every MLP of Qwen3-MoE is one); see above
