@@ -17,8 +17,10 @@ W_e [F_e, D]:
 
 Dropless: every token reaches its k experts (no capacity factor). The N·k (token, expert) pairs are sorted by
 expert id and each expert multiplies only its own contiguous rows with `jax.lax.ragged_dot` over the kernels
-stacked [E, in, out]: no [tokens, E, ...] intermediate and no work for experts a token did not choose (XLA:CPU
-itself lowers ragged_dot to a dense masked product; TPU and GPU kernels do not).
+stacked [E, in, out]: no [tokens, E, ...] intermediate in the program. How the compiler runs it differs: libtpu's
+grouped-matmul kernel does each expert's rows only (1.00× the flops), while XLA:CPU and XLA:GPU (jaxlib 0.10.2)
+expand it to a dense product over every expert (64× the flops on a 64-expert example:
+experiments/memory/ragged_dot.py) — a grouped-matmul kernel for GPUs is still to come.
 
 Routing replay (`route(..., replay)`, `MoE.routed`): S is given (the experts a rollout engine chose for the token)
 instead of the top-k, and w_e = p_e for e ∈ S (renormalised as above) still comes from this router's logits. Replay

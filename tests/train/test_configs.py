@@ -156,6 +156,25 @@ def test_token_weighted_whitening_reaches_the_loop(tmp_path, monkeypatch):
     assert whiten == "token" and lengths.shape == (4,) and int(lengths.min()) >= 1
 
 
+@pytest.mark.parametrize("arg", ["30b-a3b", "30b-a3b,4chip", "30b-a3b,v5e8", "235b-a22b", "235b-a22b,h200"])
+def test_moe_placements_keep_the_paper_recipe(arg):
+    """The Qwen3-MoE placements change where bytes sit, never the recipe: LoGRA r = 256 (experts at 64 only where
+    the config says so), the update ratio, TIS, KL control, batch and lengths of `:1.5b`."""
+    base, config = load("paper_qwen2.5_math.py", "1.5b"), load("paper_qwen2.5_math.py", arg)
+    for c in (base, config):
+        c.model.checkpoint = "/data/model"
+        c.task.jsonl_train, c.task.jsonl_eval = "/data/train.jsonl", "/data/eval.jsonl"
+    run, ref = RunConfig.from_dict(config), RunConfig.from_dict(base)
+    assert run.model.preset == ("qwen3-235b-a22b" if arg.startswith("235b") else "qwen3-30b-a3b")
+    assert run.optimizer.rank_rules == ("mlp=64" if arg == "235b-a22b,h200" else "")
+    for section, fields in {"optimizer": ("rank", "update_ratio", "kl_control", "kl_budget", "sketch_native"),
+                            "algorithm": ("estimator", "tis_cap"),
+                            "rollout": ("prompts_per_step", "num_samples", "max_new_tokens")}.items():
+        for name in fields:
+            assert getattr(getattr(run, section), name) == getattr(getattr(ref, section), name), (section, name)
+    assert run.optimizer.weight_dtype == run.model.overrides["param_dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("arg", ["72b", "72b,4chip", "qwen3-32b", "7b,1gpu", "1.5b,1chip"])
 def test_paper_placements_store_bf16_weights_from_the_start_and_one_response_per_device_per_microbatch(arg):
     config = load("paper_qwen2.5_math.py", arg)
