@@ -136,3 +136,33 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_unconfigure(config):
     if _OWNED_CACHE is not None and not hasattr(config, "workerinput"):
         shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def moe_layer_without_expert():
+    """A factory (config, unused, *, tokens=(2, 7), center_router=False) → (layer, x, cotangent): one MoE layer of
+    `config` with O(1) random weights (seed 0; router, gate, up, down in that order), positive inputs x [*tokens, D]
+    and a router column of −1 for expert `unused`, so its logit is −Σx, far below the others and no token chooses
+    it; `center_router` first removes each router row's mean over the experts (no expert favoured by the positive
+    inputs' mean). x and the cotangent are float32 numpy arrays."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from logra_jax.models import moe
+
+    def make(config, unused, *, tokens=(2, 7), center_router=False):
+        layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
+        rng = np.random.default_rng(0)
+        for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
+            shape = module.kernel.shape
+            module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
+        router = np.asarray(layer.router.kernel[...]).copy()
+        if center_router:
+            router -= router.mean(axis=0)
+        router[:, unused] = -1.0
+        layer.router.kernel.set_value(jnp.asarray(router))
+        x = np.abs(rng.standard_normal((*tokens, config.hidden_size))).astype(np.float32)
+        return layer, x, rng.standard_normal(x.shape).astype(np.float32)
+
+    return make

@@ -139,26 +139,12 @@ def test_expert_parallel_equals_unsharded(family, mesh_config, sketches, random_
     assert experts == 3
 
 
-def _layer(config, unused):
-    """One MoE layer with O(1) weights whose expert `unused` receives no token (positive x, router column −1)."""
-    layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
-    rng = np.random.default_rng(0)
-    for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
-        shape = module.kernel.shape
-        module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
-    router = np.asarray(layer.router.kernel[...]).copy()
-    router -= router.mean(axis=0)  # no expert favoured by the positive inputs' mean
-    router[:, unused] = -1.0
-    layer.router.kernel.set_value(jnp.asarray(router))
-    x = jnp.asarray(np.abs(rng.standard_normal((8, 5, config.hidden_size))), jnp.float32)
-    return layer, x, jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-
-
-def test_layer_with_an_expert_no_token_reaches():
+def test_layer_with_an_expert_no_token_reaches(moe_layer_without_expert):
     """fsdp 8, one expert per device, expert 5 chosen by no token (its device computes nothing of its own): y and
     x's gradient equal the local layer's, its sketch is exactly zero, the others' equal the local sketches."""
     config, unused = CONFIGS["qwen3_moe"], 5
-    layer, x, cot = _layer(config, unused)
+    layer, x, cot = moe_layer_without_expert(config, unused, tokens=(8, 5), center_router=True)
+    x, cot = jnp.asarray(x), jnp.asarray(cot)
     ids = moe.route(x.reshape(-1, config.hidden_size) @ layer.router.kernel[...], config.experts_per_token, False)[1]
     counts = np.bincount(np.asarray(ids).ravel(), minlength=config.num_experts)
     assert counts[unused] == 0 and (np.delete(counts, unused) > 0).all()

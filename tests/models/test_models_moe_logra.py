@@ -13,7 +13,6 @@ from flax import nnx
 
 from logra_jax import models
 from logra_jax import optim as logra_optim
-from logra_jax.models import moe
 from logra_jax.optim.projection import layer_seed, projection, target_projection
 from logra_jax.optim.sketch import scale_by_sketch
 from logra_jax.optim.targets import find_targets
@@ -47,23 +46,6 @@ def _expert_gradients(route_reference, x, router, gate, up, down, cotangent, k, 
     return grads, counts
 
 
-def _layer_with_unused_expert(unused: int):
-    """A tiny Qwen3-MoE layer (4 experts, top-2), O(1) random weights, positive inputs and a router column of
-    −1 for expert `unused`: its logit is −Σx, far below the others, so no token chooses it."""
-    config = models.preset("tiny-qwen3-moe")
-    layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
-    rng = np.random.default_rng(0)
-    for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
-        shape = module.kernel.shape
-        module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
-    router = np.asarray(layer.router.kernel[...]).copy()
-    router[:, unused] = -1.0
-    layer.router.kernel.set_value(jnp.asarray(router))
-    x = np.abs(rng.standard_normal((2, 7, config.hidden_size))).astype(np.float32)
-    cotangent = rng.standard_normal(x.shape).astype(np.float32)
-    return config, layer, x, cotangent
-
-
 def _kernel_grads(layer, x, cotangent):
     """jax.grad of Σ y ⊙ cotangent w.r.t. the layer's parameters, as a pure dict."""
     graphdef, state = nnx.split(layer)
@@ -76,11 +58,12 @@ def _kernel_grads(layer, x, cotangent):
     return pure, jax.grad(loss)(pure)
 
 
-def test_each_expert_sketch_is_its_tokens_gradient_times_its_projection(route_reference):
+def test_each_expert_sketch_is_its_tokens_gradient_times_its_projection(route_reference, moe_layer_without_expert):
     """S_e = G_e·A_eᵀ per expert (fp32 against float64 numpy, 1e-6 of the largest entry), where G_e sums over
     the expert's tokens only and A_e is drawn from the seed path "<kernel>.e"; the unused expert's sketch is 0."""
     unused = 3
-    config, layer, x, cotangent = _layer_with_unused_expert(unused)
+    config = models.preset("tiny-qwen3-moe")
+    layer, x, cotangent = moe_layer_without_expert(config, unused)
     params, grads = _kernel_grads(layer, x, cotangent)
     kernels = [np.asarray(params[n]["kernel"], np.float64) for n in ("router", *EXPERTS)]
     flat = lambda a: a.reshape(-1, config.hidden_size).astype(np.float64)
@@ -105,11 +88,11 @@ def test_each_expert_sketch_is_its_tokens_gradient_times_its_projection(route_re
         assert not s[unused].any(), name
 
 
-def test_an_expert_that_received_no_token_keeps_its_weights():
+def test_an_expert_that_received_no_token_keeps_its_weights(moe_layer_without_expert):
     """A full LoGRA step (RowAdam, global step size, router frozen): the unused expert's kernels are unchanged
     bit for bit, every other expert's move, and the router (no target) stays put."""
     unused = 3
-    _, layer, x, cotangent = _layer_with_unused_expert(unused)
+    layer, x, cotangent = moe_layer_without_expert(models.preset("tiny-qwen3-moe"), unused)
     params, grads = _kernel_grads(layer, x, cotangent)
     tx = logra_optim.logra(RANK, base_seed=SEED, update_ratio=1e-2)
     updates, _ = tx.update(grads, tx.init(params), params)

@@ -62,27 +62,18 @@ def test_expert_sketches_equal_the_dense_mode_per_expert():
             assert err <= 1e-5 * max(np.abs(want[index]).max(), 1e-12), (path, index, err)
 
 
-def _layer(unused=3):
-    """A tiny MoE layer with O(1) weights whose expert `unused` receives no token (positive x, router column −1)."""
+def _layer(make, unused=3):
+    """tiny-qwen3-moe's MoE layer whose expert `unused` receives no token, x and the cotangent as jax arrays."""
     config = preset("tiny-qwen3-moe")
-    layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
-    rng = np.random.default_rng(0)
-    for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
-        shape = module.kernel.shape
-        module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
-    router = np.asarray(layer.router.kernel[...]).copy()
-    router[:, unused] = -1.0
-    layer.router.kernel.set_value(jnp.asarray(router))
-    x = jnp.asarray(np.abs(rng.standard_normal((2, 7, config.hidden_size))), jnp.float32)
-    cot = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-    return config, layer, x, cot
+    layer, x, cot = make(config, unused)
+    return config, layer, jnp.asarray(x), jnp.asarray(cot)
 
 
-def test_layer_sketch_is_each_experts_tokens_only_and_zero_for_an_unused_expert():
+def test_layer_sketch_is_each_experts_tokens_only_and_zero_for_an_unused_expert(moe_layer_without_expert):
     """On one MoE layer: S_e = G_e A_eᵀ (1e-6 of the largest entry) with G_e the dense-mode gradient of expert e,
     exactly 0 for the expert no token chose; x's gradient and y equal the plain layer's."""
     unused = 3
-    config, layer, x, cot = _layer(unused)
+    config, layer, x, cot = _layer(moe_layer_without_expert, unused)
     plain_graph, plain_state = nnx.split(layer)
     plain = lambda s, x: jnp.sum(nnx.merge(plain_graph, s)(x)[0] * cot)
     dense_grads, dense_dx = jax.grad(plain, argnums=(0, 1))(plain_state, x)
@@ -117,9 +108,9 @@ def test_layer_sketch_is_each_experts_tokens_only_and_zero_for_an_unused_expert(
         assert not s[unused].any(), name
 
 
-def test_no_dense_expert_gradient_is_formed():
+def test_no_dense_expert_gradient_is_formed(moe_layer_without_expert):
     """The backward of the sketch-native layer holds no array of an expert kernel's shape [E, k, d]."""
-    config, layer, x, cot = _layer()
+    config, layer, x, cot = _layer(moe_layer_without_expert)
     attach_sketch_probes(layer, SketchSpec(rank=RANK))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     probes, others = nnx.split_state(rest, SketchProbe, ...)
