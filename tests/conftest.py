@@ -138,25 +138,40 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
 
 
-@pytest.fixture
-def moe_layer_without_expert():
-    """A factory (config, unused, *, tokens=(2, 7), center_router=False) → (layer, x, cotangent): one MoE layer of
-    `config` with O(1) random weights (seed 0; router, gate, up, down in that order), positive inputs x [*tokens, D]
-    and a router column of −1 for expert `unused`, so its logit is −Σx, far below the others and no token chooses
-    it; `center_router` first removes each router row's mean over the experts (no expert favoured by the positive
-    inputs' mean). x and the cotangent are float32 numpy arrays."""
+def _random_moe_layer(config):
+    """(layer, rng): one MoE layer of `config` with O(1) random weights drawn by rng = default_rng(0) (router, gate,
+    up, down in that order); rng goes on to draw the test's inputs."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     from logra_jax.models import moe
 
+    layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
+    rng = np.random.default_rng(0)
+    for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
+        shape = module.kernel.shape
+        module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
+    return layer, rng
+
+
+@pytest.fixture(scope="session")
+def random_moe_layer():
+    """`_random_moe_layer`: config → (an MoE layer with O(1) random weights, the numpy rng that drew them)."""
+    return _random_moe_layer
+
+
+@pytest.fixture
+def moe_layer_without_expert():
+    """A factory (config, unused, *, tokens=(2, 7), center_router=False) → (layer, x, cotangent): `random_moe_layer`
+    with positive inputs x [*tokens, D] and a router column of −1 for expert `unused`, so its logit is −Σx, far
+    below the others and no token chooses it; `center_router` first removes each router row's mean over the
+    experts (no expert favoured by the positive inputs' mean). x and the cotangent are float32 numpy arrays."""
+    import jax.numpy as jnp
+    import numpy as np
+
     def make(config, unused, *, tokens=(2, 7), center_router=False):
-        layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
-        rng = np.random.default_rng(0)
-        for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
-            shape = module.kernel.shape
-            module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
+        layer, rng = _random_moe_layer(config)
         router = np.asarray(layer.router.kernel[...]).copy()
         if center_router:
             router -= router.mean(axis=0)

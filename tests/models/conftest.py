@@ -177,17 +177,38 @@ def sharded_errors(forward, padded_batch, max_rel_err):
     return errors
 
 
-def _route(token: np.ndarray, router: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A token's experts and their weights in numpy: softmax over the router logits, the top k (stable order),
-    renormalised over the k when `normalize` (Qwen3-MoE's norm_topk_prob, Mixtral always)."""
+def _route(token: np.ndarray, router: np.ndarray, k: int, normalize: bool,
+           chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A token's experts and their weights in numpy: softmax over the router logits, the top k (stable order) or
+    the experts `chosen` (routing replay), renormalised over them when `normalize` (Qwen3-MoE's norm_topk_prob,
+    Mixtral always)."""
     logits = token @ router
     p = np.exp(logits - logits.max())
     p /= p.sum()
-    chosen = np.argsort(-p, kind="stable")[:k]
+    if chosen is None:
+        chosen = np.argsort(-p, kind="stable")[:k]
     return chosen, p[chosen] / (p[chosen].sum() if normalize else 1.0)
+
+
+def _moe_loop(x, router, gate, up, down, k, normalize, ids=None):
+    """The MoE layer token by token in numpy float64: y = Σ_{e ∈ S} w_e · W_eᵀ(silu(G_eᵀ x) ⊙ U_eᵀ x), S the top k
+    of the router (`_route`) or, given ids [N, k], token n's ids[n]."""
+    out = np.zeros_like(x)
+    for n, token in enumerate(x):
+        chosen, w = _route(token, router, k, normalize, None if ids is None else ids[n])
+        for weight, e in zip(w, chosen):
+            g = token @ gate[e]
+            out[n] += weight * ((g / (1 + np.exp(-g)) * (token @ up[e])) @ down[e])
+    return out
 
 
 @pytest.fixture(scope="session")
 def route_reference():
     """The numpy routing of one token (`_route`): (its k experts, their weights)."""
     return _route
+
+
+@pytest.fixture(scope="session")
+def moe_reference():
+    """The numpy MoE layer, token by token (`_moe_loop`), routed by the router's top k or by given ids."""
+    return _moe_loop

@@ -147,33 +147,19 @@ def test_fused_expert_checkpoints_load_alike(case, checkpoint, tmp_path):
                                       err_msg=str(path))
 
 
-def _loop_reference(route_reference, x, router, gate, up, down, k, normalize):
-    """The MoE layer token by token in numpy float64: y = Σ_{e ∈ top-k} w_e · W_eᵀ(silu(G_eᵀ x) ⊙ U_eᵀ x)."""
-    out = np.zeros_like(x)
-    for n, token in enumerate(x):
-        chosen, w = route_reference(token, router, k, normalize)
-        for weight, e in zip(w, chosen):
-            g = token @ gate[e]
-            out[n] += weight * ((g / (1 + np.exp(-g)) * (token @ up[e])) @ down[e])
-    return out
-
-
 @pytest.mark.parametrize("normalize", [False, True])
-def test_moe_layer_equals_a_per_token_loop_and_its_gradient_a_dense_oracle(normalize, random_model, route_reference):
+def test_moe_layer_equals_a_per_token_loop_and_its_gradient_a_dense_oracle(normalize, random_model, moe_reference,
+                                                                         random_moe_layer):
     """Values against a numpy loop over tokens and their chosen experts; the expert kernels' gradients against
     those of the dense form Σ_e mask_e · w_e · expert_e(x) (every expert on every token, weights zero where
     not chosen), the oracle ragged_dot must equal."""
     config = models.preset("tiny-qwen3-moe", norm_topk_prob=normalize, num_experts=5, experts_per_token=3)
-    layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
-    rng = np.random.default_rng(0)
-    for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
-        shape = module.kernel.shape
-        module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
+    layer, rng = random_moe_layer(config)
     x = rng.standard_normal((2, 9, config.hidden_size)).astype(np.float32)
     kernels = [np.asarray(m.kernel[...], np.float64) for m in (layer.router, layer.gate_proj, layer.up_proj,
                                                                 layer.down_proj)]
     y, logits = layer(jnp.asarray(x))
-    expected = _loop_reference(route_reference, x.reshape(-1, config.hidden_size).astype(np.float64), *kernels,
+    expected = moe_reference(x.reshape(-1, config.hidden_size).astype(np.float64), *kernels,
                                config.experts_per_token, normalize)
     np.testing.assert_allclose(np.asarray(y).reshape(expected.shape), expected, rtol=1e-4, atol=1e-5)
     assert logits.shape == (2, 9, config.num_experts)

@@ -17,29 +17,10 @@ TOKENS = np.array([[0, 0, 5, 6, 7, 8, 9], [9, 10, 11, 12, 13, 14, 15]], np.int32
 MASK = TOKENS != 0
 
 
-def _forced_reference(x, router, gate, up, down, ids, normalize):
-    """The MoE layer token by token in numpy float64, each token n reaching experts ids[n] with weights
-    p_e = softmax(x R)_e (renormalised over ids[n] when `normalize`)."""
-    out = np.zeros_like(x)
-    for n, token in enumerate(x):
-        logits = token @ router
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-        w = p[ids[n]] / (p[ids[n]].sum() if normalize else 1.0)
-        for weight, e in zip(w, ids[n]):
-            g = token @ gate[e]
-            out[n] += weight * ((g / (1 + np.exp(-g)) * (token @ up[e])) @ down[e])
-    return out
-
-
 @pytest.mark.parametrize("normalize", [False, True])
-def test_forced_ids_route_like_a_numpy_loop_with_the_routers_weights(normalize):
+def test_forced_ids_route_like_a_numpy_loop_with_the_routers_weights(normalize, moe_reference, random_moe_layer):
     config = models.preset("tiny-qwen3-moe", norm_topk_prob=normalize, num_experts=5, experts_per_token=2)
-    layer = moe.MoE(config, rngs=nnx.Rngs(params=0))
-    rng = np.random.default_rng(0)
-    for module in (layer.router, layer.gate_proj, layer.up_proj, layer.down_proj):
-        shape = module.kernel.shape
-        module.kernel.set_value(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32))
+    layer, rng = random_moe_layer(config)
     x = rng.standard_normal((2, 6, config.hidden_size)).astype(np.float32)
     y_own, _, own = layer.routed(jnp.asarray(x))
     # Other experts than the router's: the complement's first two where there are two, else a shifted pair.
@@ -49,7 +30,7 @@ def test_forced_ids_route_like_a_numpy_loop_with_the_routers_weights(normalize):
     kernels = [np.asarray(m.kernel[...], np.float64) for m in (layer.router, layer.gate_proj, layer.up_proj,
                                                                 layer.down_proj)]
     flat = x.reshape(-1, config.hidden_size).astype(np.float64)
-    want = _forced_reference(flat, *kernels, forced.reshape(-1, 2), normalize)
+    want = moe_reference(flat, *kernels, config.experts_per_token, normalize, forced.reshape(-1, 2))
     np.testing.assert_allclose(np.asarray(y).reshape(want.shape), want, rtol=1e-4, atol=1e-5)
     assert np.abs(np.asarray(y) - np.asarray(y_own)).max() > 1e-3  # the forced set really changes the output
     np.testing.assert_array_equal(own_again, own)  # the ids returned are the router's own choice
