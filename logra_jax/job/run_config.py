@@ -214,7 +214,17 @@ class RolloutSection:
     `logra_jax.rollout.vllm.settings.VLLMSettings` (its interpreter, tensor parallel size, GPU memory fraction, dtype,
     max sequences at once, CPU KV-cache GiB, CUDA_VISIBLE_DEVICES); routing_replay: an MoE model's train step routes
     each token by the experts the engine chose for it (recorded by the JAX engine with every MoE rollout), the
-    router still weighing them (`logra_jax.models.moe.route`); not available with engine="vllm"."""
+    router still weighing them (`logra_jax.models.moe.route`); not available with engine="vllm".
+    engine_devices: the last k of the job's devices run our JAX engine in this process, on a mesh of their own,
+    and the trainer's mesh takes the others (the policy sync moves the low-rank payload device to device); 0 = the
+    colocated engine on every device. max_staleness: how many policy versions a batch may be behind the policy
+    it trains (0 = today's loop: rollout, then training, in sequence); k ≥ 1 overlaps them: the engine generates
+    the next k batches while the trainer trains (it needs an engine on devices of its own: engine_devices,
+    workers=1 or engine="vllm"; single-process runs). max_stale_kl: a batch is admitted only while the KL the
+    controller predicted for the updates since its policy version (their sum) is within this budget (0 = no
+    bound; needs optimizer.kl_control); stale_action: what happens to a batch over it, "regenerate" (with the
+    current policy) or "clip" (trained with its importance weights capped at stale_tis_cap, needs algorithm.tis_cap).
+    """
 
     prompts_per_step: int = 16
     num_samples: int = 4
@@ -237,6 +247,11 @@ class RolloutSection:
     vllm_kv_cache_gib: int = _VLLM.kv_cache_gib
     vllm_devices: str = _VLLM.devices
     routing_replay: bool = False
+    engine_devices: int = 0
+    max_staleness: int = 0
+    max_stale_kl: float = 0.0
+    stale_action: str = "regenerate"
+    stale_tis_cap: float = 1.0
 
     @property
     def per_layer(self) -> bool | None:
@@ -277,6 +292,25 @@ class RolloutSection:
                 _fail("rollout.workers", self.workers, "applies to rollout.engine='jax' (vLLM runs in its own "
                       "process already): leave it 0")
             self.vllm_settings()
+        self._validate_async()
+
+    def _validate_async(self) -> None:
+        """The placement and staleness fields (engine_devices, max_staleness, max_stale_kl, stale_action)."""
+        _check_range("rollout", "engine_devices", self.engine_devices, 0)
+        _check_range("rollout", "max_staleness", self.max_staleness, 0)
+        _check_range("rollout", "max_stale_kl", self.max_stale_kl, 0.0)
+        _check_choice("rollout", "stale_action", self.stale_action, ("regenerate", "clip"))
+        _check_range("rollout", "stale_tis_cap", self.stale_tis_cap, 0.0, lo_open=True)
+        if self.engine_devices and (self.engine != "jax" or self.workers):
+            _fail("rollout.engine_devices", self.engine_devices, "places our JAX engine in this process on devices "
+                  "of its own: it needs rollout.engine='jax' and rollout.workers=0")
+        if self.max_staleness and not (self.engine_devices or self.workers or self.engine == "vllm"):
+            _fail("rollout.max_staleness", self.max_staleness, "overlaps rollout and training, which needs the "
+                  "engine on devices of its own: set rollout.engine_devices, rollout.workers=1 or "
+                  "rollout.engine='vllm'")
+        if self.max_stale_kl and not self.max_staleness:
+            _fail("rollout.max_stale_kl", self.max_stale_kl, "bounds the staleness of pipelined batches: it needs "
+                  "rollout.max_staleness >= 1")
 
     def vllm_settings(self) -> VLLMSettings:
         """The vLLM engine's settings from the vllm_<field> fields.
@@ -516,6 +550,12 @@ class RunConfig:
         if self.sft.task_examples and self.task.kind == "jsonl":
             _fail("sft.task_examples", self.sft.task_examples, "needs a generated task (task.kind 'arithmetic' or "
                                                                "'countdown'), got task.kind='jsonl'")
+        if self.rollout.max_stale_kl and not self.optimizer.kl_control:
+            _fail("rollout.max_stale_kl", self.rollout.max_stale_kl, "sums the KL the controller predicts for each "
+                  "update: it needs optimizer.kl_control=True")
+        if self.rollout.stale_action == "clip" and self.rollout.max_stale_kl and not self.algorithm.tis_cap:
+            _fail("rollout.stale_action", "clip", "caps the importance weights of a batch over the KL budget: it "
+                  "needs algorithm.tis_cap > 0")
         if self.optimizer.kl_control and self.optimizer.probe_responses > batch:
             _fail("optimizer.probe_responses", self.optimizer.probe_responses,
                   f"exceeds the {batch} responses of a step")
