@@ -229,7 +229,8 @@ class LossConfig:
 
 def policy_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, config: LossConfig,
                 old_logp: jax.Array | None = None, rollout_logp: jax.Array | None = None,
-                ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                ref_logp: jax.Array | None = None, tis_cap_rows: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """L = agg(m, w ℓ + β k) and token-mean diagnostics.
 
     Args:
@@ -240,11 +241,14 @@ def policy_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, conf
       old_logp: log π_old; default sg(logp) (one update per batch: r = 1, gradient −A ∇log π_θ).
       rollout_logp: log μ from the rollout engine; required when config.tis_cap is set.
       ref_logp: log π_ref; required when config.kl_beta > 0.
+      tis_cap_rows: [B] a lower cap for some rows' importance weights (each row's weights capped at
+        min(config.tis_cap, tis_cap_rows[b]): a batch too far behind the policy, clipped harder); needs TIS on.
 
     Returns:
       (loss scalar, metrics): pg_loss, kl, clip_fraction (tokens where the clip binds: A > 0 and r > 1 + ε_high,
       or A < 0 and r < 1 − ε_low, as verl's and TRL's clipfrac), outside_clip_fraction (tokens whose ratio left
-      the clip range, whatever the advantage), tis_weight (mean weight) — all token means.
+      the clip range, whatever the advantage), tis_weight (mean weight), tis_capped (tokens whose weight the cap
+      truncated) — all token means.
 
     Raises:
       ValueError: when an input the config needs is missing.
@@ -253,6 +257,9 @@ def policy_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, conf
         raise ValueError("policy_loss: rollout_logp is required when LossConfig.tis_cap is set")
     if config.kl_beta > 0 and ref_logp is None:
         raise ValueError("policy_loss: ref_logp is required when LossConfig.kl_beta > 0")
+    if tis_cap_rows is not None and config.tis_cap is None:
+        raise ValueError("policy_loss: tis_cap_rows lowers the importance weights' cap, but LossConfig.tis_cap is "
+                         "None (TIS off)")
     old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
     if config.policy == "ppo":
         per_token = ppo_clip_loss(logp, old, advantages, mask, eps_low=config.eps_low, eps_high=config.eps_high,
@@ -263,7 +270,13 @@ def policy_loss(logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, conf
     weights = jnp.ones_like(per_token)
     if config.tis_cap is not None:
         weights = truncated_is_weights(old, rollout_logp, mask, cap=config.tis_cap)
+        cap = jnp.full(weights.shape[:1], config.tis_cap, jnp.float32)
+        if tis_cap_rows is not None:
+            cap = jnp.minimum(cap, tis_cap_rows.astype(jnp.float32))
+            weights = jnp.minimum(weights, cap[:, None])
+        raw = jnp.exp(_log_ratio(old, rollout_logp, mask.astype(bool)))
         metrics["tis_weight"] = aggregate(weights, mask)
+        metrics["tis_capped"] = aggregate((raw > cap[:, None]).astype(jnp.float32), mask)
     total = weights * per_token
     metrics["pg_loss"] = aggregate(total, mask, config.aggregation, max_len=config.max_len)
     if ref_logp is not None:

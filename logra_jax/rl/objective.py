@@ -21,15 +21,24 @@ import numpy as np
 from flax import nnx
 
 from logra_jax.rl.logprobs import token_logprobs
-from logra_jax.rl.losses import LOSS_DENOMINATOR, LossConfig, aggregate, aggregation_denominator, policy_loss
+from logra_jax.rl.losses import (
+    LOSS_DENOMINATOR,
+    LossConfig,
+    aggregate,
+    aggregation_denominator,
+    kl_penalty,
+    policy_loss,
+)
 from logra_jax.rl.routing import routing_metrics
 
 
 def rl_batch_shapes(rows: int, prompt_length: int, new_tokens: int, *, with_ref: bool = False,
-                    experts: tuple[int, int, jnp.dtype] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+                    experts: tuple[int, int, jnp.dtype] | None = None,
+                    with_tis_cap: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
     """The batch this objective reads, as ShapeDtypeStructs (fixed per run: shardings and compile-only analysis
     are built from it). `with_ref`: include ref_logprobs (reference-KL penalty); experts: (MoE layers, k, dtype)
-    of the engine's recorded expert ids, included when given."""
+    of the engine's recorded expert ids, included when given; with_tis_cap: tis_cap [N], each row's cap of its
+    importance weights (a stale batch's lower cap, `policy_loss`'s tis_cap_rows)."""
     sds, length = jax.ShapeDtypeStruct, prompt_length + new_tokens
     batch = {"tokens": sds((rows, length), jnp.int32), "attention_mask": sds((rows, length), jnp.bool_),
              "response_mask": sds((rows, new_tokens), jnp.bool_), "advantages": sds((rows,), jnp.float32),
@@ -39,6 +48,8 @@ def rl_batch_shapes(rows: int, prompt_length: int, new_tokens: int, *, with_ref:
     if experts is not None:
         layers, k, dtype = experts
         batch["experts"] = sds((rows, length, layers, k), dtype)
+    if with_tis_cap:
+        batch["tis_cap"] = sds((rows,), jnp.float32)
     return batch
 
 
@@ -103,8 +114,10 @@ def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: 
                         routing_replay: bool = False):
     """loss_fn(model, batch) -> (policy loss, metrics) for `make_train_step`.
 
-    Metrics (token means over responses): pg_loss, clip_fraction, tis_weight, kl (with a reference), entropy,
-    and rollout_mismatch = mean over tokens of completed responses of (log μ − log π_θ) clipped at 0 — the
+    Metrics (token means over responses): pg_loss, clip_fraction, tis_weight, tis_capped, kl (with a reference),
+    entropy, behaviour_kl (KL(μ ‖ π_θ) between the policy μ that sampled the batch and the one trained, by the
+    k3 estimator r − 1 − log r, r = π_θ / μ: engine/trainer mismatch plus any staleness of the batch), and
+    rollout_mismatch = mean over tokens of completed responses of (log μ − log π_θ) clipped at 0 — the
     measured rollout-vs-trainer gap that `scale_by_predicted_kl` can subtract from its budget; with
     batch["experts"] the routing metrics `logra_jax.rl.routing.ROUTING_METRICS`. routing_replay: the forward
     routes every token by batch["experts"] (which it then needs).
@@ -126,12 +139,14 @@ def make_policy_loss_fn(config: LossConfig, prompt_length: int, *, temperature: 
         loss, metrics = policy_loss(
             logp, batch["advantages"], mask, config=config,
             rollout_logp=batch["rollout_logprobs"] if config.tis_cap is not None else None,
-            ref_logp=batch.get("ref_logprobs"))
+            ref_logp=batch.get("ref_logprobs"), tis_cap_rows=batch.get("tis_cap"))
         completed = mask * batch["finished"].astype(jnp.float32)[:, None]
         gap = aggregate(jax.lax.stop_gradient(batch["rollout_logprobs"] - logp), completed)
         metrics = dict(metrics)
         metrics["entropy"] = jax.lax.stop_gradient(aggregate(entropy, mask))
         metrics["rollout_mismatch"] = jnp.maximum(gap, 0.0)
+        metrics["behaviour_kl"] = aggregate(jax.lax.stop_gradient(kl_penalty(
+            batch["rollout_logprobs"], logp, mask, estimator="k3", clamp=None)), mask)
         if engine_ids is not None:
             if own_ids is None:
                 raise ValueError("make_policy_loss_fn: batch['experts'] given to a dense model (no router)")

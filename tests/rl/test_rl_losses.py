@@ -185,7 +185,7 @@ def test_policy_loss_composes_the_pieces(aggregation, policy):
     loss, metrics = policy_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), config=config,
                                 old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout), ref_logp=jnp.asarray(ref))
     assert float(loss) == pytest.approx(expected, rel=1e-5)
-    assert set(metrics) == {"pg_loss", "kl", "tis_weight", "clip_fraction", "outside_clip_fraction"}
+    assert set(metrics) == {"pg_loss", "kl", "tis_weight", "tis_capped", "clip_fraction", "outside_clip_fraction"}
     ratio = np.exp(logp.astype(np.float64) - old)
     a = np.broadcast_to(adv[:, None], (B, T))
     binds = ((a > 0) & (ratio > 1.28)) | ((a < 0) & (ratio < 0.8))
@@ -254,6 +254,29 @@ def test_on_policy_default_gives_the_reinforce_gradient():
         jnp.asarray(logp))
     expected = _per_token_ref(lambda b, t: -adv[b], mask=mask) / mask.sum()
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_row_caps_lower_the_importance_weights_of_their_rows():
+    """tis_cap_rows: each row's weights capped at min(C, its cap), by a loop; tis_capped counts the tokens whose
+    raw weight exp(old − rollout) the effective cap truncated; the loss weighs each token by its capped weight."""
+    logp, old, rollout, _, adv, mask = _batch(11)
+    rows = np.array([0.5, 9.0, 1.0, 1.2], np.float32)  # row 1 keeps C = 2; the others are clipped harder
+    config = LossConfig(policy="reinforce", tis_cap=2.0)
+    loss, metrics = policy_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), config=config,
+                                old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout),
+                                tis_cap_rows=jnp.asarray(rows))
+    raw = np.exp(old.astype(np.float64) - rollout)
+    cap = np.minimum(2.0, rows)[:, None]
+    w = np.where(mask, np.minimum(raw, cap), 0.0)
+    assert float(metrics["tis_weight"]) == pytest.approx(w[mask].mean(), rel=1e-5)
+    assert float(metrics["tis_capped"]) == pytest.approx((raw > cap)[mask].mean(), abs=1e-6)
+    assert float(loss) == pytest.approx((w * -adv[:, None] * logp)[mask].sum() / mask.sum(), rel=1e-5)
+    _, plain = policy_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), config=config,
+                           old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout))
+    assert float(metrics["tis_capped"]) > float(plain["tis_capped"])  # the lower caps bind on more tokens
+    with pytest.raises(ValueError, match="TIS off"):
+        policy_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), config=LossConfig(tis_cap=None),
+                    tis_cap_rows=jnp.asarray(rows))
 
 
 def test_validation():
