@@ -314,6 +314,14 @@ class CheckpointManager:
         data = _own_data_state(dict(items["data"]), where)
         return jax.tree_util.tree_unflatten(treedef, leaves), data, dict(items["extra"])
 
+    def read_extra(self, step: int) -> dict[str, Any]:
+        """The extra JSON of checkpoint `step` alone (what decides the structure to `restore` it into).
+
+        Raises:
+          CheckpointError: the item is unreadable (names the step directory).
+        """
+        return dict(self._read(step, f"checkpoint {self.step_dir(step)}", "", extra=ocp.args.JsonRestore())["extra"])
+
     def _read(self, step: int, where: str, hint: str, **items: Any) -> Any:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))

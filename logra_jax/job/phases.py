@@ -157,7 +157,8 @@ class Trainer:
                                    routing_replay=run.rollout.routing_replay)
         n_rows = run.rollout.prompts_per_step * run.rollout.num_samples
         batch = rl_batch_shapes(n_rows, prompt_len, run.rollout.max_new_tokens, with_ref=run.algorithm.kl_beta > 0,
-                                experts=experts)
+                                experts=experts,
+                                with_tis_cap=bool(run.rollout.max_stale_kl) and run.rollout.stale_action == "clip")
         probe = None if plan.kl_probe is None else probe_batch_shapes(
             run.optimizer.probe_responses, prompt_len + run.rollout.max_new_tokens)
         batch_sh = batch_shardings(batch, mesh)

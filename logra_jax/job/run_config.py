@@ -28,6 +28,7 @@ from logra_jax.rl.advantages import ESTIMATORS, WHITENINGS
 from logra_jax.rl.losses import AGGREGATIONS, POLICIES, LossConfig
 from logra_jax.rl.prompts import PROMPT_STYLES
 from logra_jax.rl.tasks import GENERATED_KINDS, TaskSpec
+from logra_jax.rollout.process import cpu_list
 from logra_jax.rollout.sampling import SamplingConfig
 from logra_jax.rollout.vllm.settings import VLLMSettings
 
@@ -224,6 +225,8 @@ class RolloutSection:
     controller predicted for the updates since its policy version (their sum) is within this budget (0 = no
     bound; needs optimizer.kl_control); stale_action: what happens to a batch over it, "regenerate" (with the
     current policy) or "clip" (trained with its importance weights capped at stale_tis_cap, needs algorithm.tis_cap).
+    engine_cpus: the CPUs the worker process of workers=1 runs on, as taskset's list ("1", "2-3"; "" = this
+    process's): each side its own cores, to measure overlap on a small host.
     """
 
     prompts_per_step: int = 16
@@ -252,6 +255,7 @@ class RolloutSection:
     max_stale_kl: float = 0.0
     stale_action: str = "regenerate"
     stale_tis_cap: float = 1.0
+    engine_cpus: str = ""
 
     @property
     def per_layer(self) -> bool | None:
@@ -308,6 +312,13 @@ class RolloutSection:
             _fail("rollout.max_staleness", self.max_staleness, "overlaps rollout and training, which needs the "
                   "engine on devices of its own: set rollout.engine_devices, rollout.workers=1 or "
                   "rollout.engine='vllm'")
+        if self.engine_cpus:
+            if not self.workers:
+                _fail("rollout.engine_cpus", self.engine_cpus, "pins the worker process: it needs rollout.workers=1")
+            try:
+                cpu_list(self.engine_cpus)
+            except ValueError as e:
+                _fail("rollout.engine_cpus", self.engine_cpus, str(e))
         if self.max_stale_kl and not self.max_staleness:
             _fail("rollout.max_stale_kl", self.max_stale_kl, "bounds the staleness of pipelined batches: it needs "
                   "rollout.max_staleness >= 1")

@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from logra_jax.rl.advantages import AdvantageEstimator
     from logra_jax.rl.rewards import RewardStats
     from logra_jax.rl.tasks import Problem
-    from logra_jax.rollout.sampling import Rollout
 
 with requires_extra("rl", "logra_jax.job.train"):
     from flax import nnx
@@ -68,7 +67,8 @@ with requires_extra("rl", "logra_jax.job.train"):
         write_json_atomic,
     )
     from logra_jax.job.optimizer_plan import check_optimizer_fits
-    from logra_jax.job.phases import Trainer, job_mesh, reference_logprobs
+    from logra_jax.job.phases import Trainer, job_mesh, reference_logprobs, rollout_experts
+    from logra_jax.job.pipeline import Batch, RolloutPipeline, pending_record, pending_tree, restore_pending
     from logra_jax.job.run_config import RunConfig
     from logra_jax.job.sft import cached_warm_start, check_warm_start, final_window, supervised_warm_start
     from logra_jax.models import LoadStats
@@ -91,7 +91,8 @@ with requires_extra("rl", "logra_jax.job.train"):
     from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
     from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
     from logra_jax.rollout.engine import RolloutEngine, rollout_engine
-    from logra_jax.rollout.sampling import SamplingConfig
+    from logra_jax.rollout.process import CPUS_ENV
+    from logra_jax.rollout.sampling import Rollout, SamplingConfig
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
 GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl_q")
@@ -105,8 +106,11 @@ class KLRefusalError(RuntimeError):
     """The predicted-KL controller refused MAX_CONSECUTIVE_REFUSALS updates in a row (the message names the step)."""
 
 
-def _rl_batch(rollout: Rollout, advantages: np.ndarray) -> dict[str, jax.Array]:
+def _rl_batch(rollout: Rollout, advantages: np.ndarray, tis_cap: float | None = None) -> dict[str, jax.Array]:
+    """The train step's batch; tis_cap: every row's cap of its importance weights (a stale batch's)."""
     experts = {} if rollout.experts is None else {"experts": rollout.experts}  # an MoE rollout's (phases.rl_step)
+    if tis_cap is not None:
+        experts["tis_cap"] = jnp.full(rollout.lengths.shape, tis_cap, jnp.float32)
     return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
             "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
             "rollout_logprobs": rollout.logprobs, "finished": rollout.finished, **experts}
@@ -183,7 +187,7 @@ def _check_devices(run: RunConfig) -> None:
     """The mesh must fit the devices this process sees; a multi-process run's mesh spans every process's
     devices, and its rollouts stay on that mesh (checked before any work)."""
     t = run.train
-    needed = job_mesh(t).size  # raises when the sizes do not fit the devices
+    needed = job_mesh(t, trainer_devices(run)).size  # raises when the sizes do not fit the devices
     sizes = f"config.train.mesh_data × mesh_fsdp × mesh_tensor = {t.mesh_data} × {t.mesh_fsdp} × {t.mesh_tensor}"
     processes = jax.process_count()
     if processes > 1 and needed != jax.device_count():
@@ -194,9 +198,24 @@ def _check_devices(run: RunConfig) -> None:
         raise ValueError(f"config.rollout.workers = {run.rollout.workers}: a separate rollout worker process is "
                          f"for single-process runs; with {processes} processes use rollout.workers = 0 (the "
                          "colocated engine on the global mesh)")
+    engine_devices = run.rollout.engine_devices
+    if engine_devices and needed + engine_devices > jax.device_count():
+        raise ValueError(f"config.rollout.engine_devices = {engine_devices}: with the trainer's {sizes} = "
+                         f"{needed} devices that needs {needed + engine_devices}, but this process sees "
+                         f"{jax.device_count()} ({jax.default_backend()})")
+    if processes > 1 and (engine_devices or run.rollout.max_staleness):
+        raise ValueError(f"config.rollout.engine_devices = {engine_devices}, max_staleness = "
+                         f"{run.rollout.max_staleness}: an engine on devices of its own and the rollout pipeline "
+                         f"are for single-process runs; this run has {processes} processes")
     if processes > 1 and run.rollout.engine == "vllm":
         raise ValueError("config.rollout.engine = 'vllm': the vLLM engine serves single-process runs; with "
                          f"{processes} processes use rollout.engine = 'jax'")
+
+
+def trainer_devices(run: RunConfig) -> list[jax.Device]:
+    """The devices of the trainer's mesh: all but the last rollout.engine_devices (the engine's own)."""
+    devices = jax.devices()
+    return devices[:len(devices) - run.rollout.engine_devices] if run.rollout.engine_devices else devices
 
 
 def _log_finished(log: metrics_lib.Logger, workdir: Path, summary: dict[str, Any], evidence: str) -> None:
@@ -297,7 +316,7 @@ def _start(ctx: _Context, resume_step: int | None) -> _Start:
     read straight into its shards (`builders.build_model`). A resumed run reads the starting weights only when the
     KL penalty's reference (the SFT weights) needs them; otherwise its weights come from its checkpoint."""
     run, log = ctx.run, ctx.log
-    mesh = job_mesh(run.train)
+    mesh = job_mesh(run.train, trainer_devices(run))
     weights = resume_step is None or run.algorithm.kl_beta > 0
     stats = LoadStats()
     model, tokenizer = build_model(run.model, mesh, weights=weights, stats=stats)
@@ -401,6 +420,7 @@ class _LoopState:
     data_iter: grain.DatasetIterator
     ref_logprobs: Callable[[Mapping[str, jax.Array]], jax.Array] | None
     engine: RolloutEngine
+    pipeline: RolloutPipeline
     greedy: SamplingConfig
     start: int
     accuracy_before: float = float("nan")
@@ -414,7 +434,7 @@ class _LoopState:
 
         def greedy_on_mesh(prompts: np.ndarray, mask: np.ndarray, key: jax.Array) -> Rollout:
             prompts, mask = to_global((prompts, mask), (rows_sh, rows_sh))
-            out = self.engine.generate(prompts, mask, key, config=self.greedy)
+            out = self.pipeline.generate_now(prompts, mask, key, config=self.greedy)
             return jax.device_put(out, replicated(job.mesh)) if jax.process_count() > 1 else out
 
         accuracy, responses = greedy_accuracy(greedy_on_mesh, job.tasks.eval_problems, job.tokenizer, job.fmt,
@@ -425,11 +445,13 @@ class _LoopState:
 
 
 class _Restored(NamedTuple):
-    """A checkpoint read back (`_restore`): its step, the data iterators' state and the record saved with it."""
+    """A checkpoint read back (`_restore`): its step, the data iterators' state, the record saved with it and the
+    rollout pipeline's batches in flight (None: it saved none)."""
 
     step: int
     data_state: dict[str, Any]
     extra: dict[str, Any]
+    pending: tuple[dict[str, jax.Array], ...] | None = None
 
 
 def _trainer(ctx: _Context, job: _Start, candidates: list[int]) -> _LoopState:
@@ -452,12 +474,16 @@ def _trainer(ctx: _Context, job: _Start, candidates: list[int]) -> _LoopState:
     data_iter = iter(job.tasks.train_batches(run.rollout.prompts_per_step, seed=run.train.seed, part=mine.part))
     ref_logprobs = None if ref_params is None else _reference_logprobs(run, trainer, job, ref_params, rest)
     engine = _closes(ctx.opened, _rollout_engine(ctx, trainer, job, state, rest))
+    start = 0 if restored is None else restored.step
+    pipeline = _closes(ctx.opened, RolloutPipeline(engine, run.rollout.max_staleness, start))
+    if restored is not None and restored.pending is not None:
+        restore_pending(pipeline, restored.extra["pipeline"], restored.pending)
     greedy = run.rollout.sampling(job.tokenizer.eos_id, job.tokenizer.pad_id, greedy=True)
     t = _LoopState(job=job, state=state, rest=rest, estimator=estimator, est_state=est_state, plan=trainer.plan,
                    step_fn=rl_step.fn, batch_sh=batch_shardings(rl_step.batch, mesh),
                    probe_sh=None if rl_step.probe is None else batch_shardings(rl_step.probe, mesh), mine=mine,
-                   data_iter=data_iter, ref_logprobs=ref_logprobs, engine=engine, greedy=greedy,
-                   start=0 if restored is None else restored.step)
+                   data_iter=data_iter, ref_logprobs=ref_logprobs, engine=engine, pipeline=pipeline,
+                   greedy=greedy, start=start)
     _resume_or_evaluate(ctx, t, restored)
     return t
 
@@ -484,8 +510,34 @@ def _init_or_restore(ctx: _Context, trainer: Trainer, job: _Start, candidates: l
     rest = trainer.rest_only()
     abstract = (abstract_sharded(trainer.abstract_state, trainer.state_sh),
                 abstract_sharded(est_state, jax.tree.map(lambda _: replicated(job.mesh), est_state)))
-    (state, est_state), restored = _restore(ctx, candidates, abstract)
-    return state, rest, est_state, restored
+
+    def abstract_at(step: int) -> tuple[Any, ...]:
+        record = ctx.ckpt.read_extra(step).get("pipeline")  # a pipelined run saved its batches in flight
+        if record is None:
+            return abstract
+        rollout = _abstract_rollout(ctx.run, trainer.model().config, job.prompt_len, job.mesh)
+        return (*abstract, tuple(rollout for _ in record["batches"]))
+
+    tree, restored = _restore(ctx, candidates, abstract_at)
+    if len(tree) == 3:
+        restored = restored._replace(pending=tree[2])
+    return tree[0], rest, tree[1], restored
+
+
+def _abstract_rollout(run: RunConfig, config: Any, prompt_len: int, mesh: jax.sharding.Mesh
+                      ) -> dict[str, jax.ShapeDtypeStruct]:
+    """A step's rollout as the checkpoint holds it (`pipeline.pending_tree`): its fields' shapes, replicated."""
+    rows, new = run.rollout.prompts_per_step * run.rollout.num_samples, run.rollout.max_new_tokens
+    sh = replicated(mesh)
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    fields = {"tokens": sds((rows, prompt_len + new), jnp.int32), "prompt_mask": sds((rows, prompt_len), jnp.bool_),
+              "response_mask": sds((rows, new), jnp.bool_), "logprobs": sds((rows, new), jnp.float32),
+              "lengths": sds((rows,), jnp.int32), "finished": sds((rows,), jnp.bool_)}
+    experts = rollout_experts(config, run.rollout.engine)
+    if experts is not None:
+        layers, k, dtype = experts
+        fields["experts"] = sds((rows, prompt_len + new, layers, k), dtype)
+    return fields
 
 
 def _reference_logprobs(run: RunConfig, trainer: Trainer, job: _Start, ref_params: nnx.State, rest: nnx.State
@@ -504,10 +556,15 @@ def _rollout_engine(ctx: _Context, trainer: Trainer, job: _Start, state: TrainSt
     if run.rollout.engine == "vllm":  # vLLM builds its model from a Hugging Face folder; weights then come by sync
         folder = export(trainer.model(state.params, rest), None, ctx.workdir / "vllm_model", overwrite=True)
         vllm = {"vllm": run.rollout.vllm_settings(), "model_dir": str(folder)}
+    placement: dict[str, Any] = dict(vllm)
+    if run.rollout.engine_devices:
+        placement["engine_devices"] = jax.devices()[len(jax.devices()) - run.rollout.engine_devices:]
+    if run.rollout.engine_cpus:
+        placement["env"] = {CPUS_ENV: run.rollout.engine_cpus}
     return rollout_engine(run.rollout.workers, trainer.model().config,
                           run.rollout.sampling(tokenizer.eos_id, tokenizer.pad_id), job.mesh, state.params, rest,
                           version=int(state.step), trained=trainer.plan.dense_paths(state.params),
-                          decode_tensor=run.rollout.decode_tensor, per_layer=run.rollout.per_layer, **vllm)
+                          decode_tensor=run.rollout.decode_tensor, per_layer=run.rollout.per_layer, **placement)
 
 
 def _resume_or_evaluate(ctx: _Context, t: _LoopState, restored: _Restored | None) -> None:
@@ -536,21 +593,29 @@ class _Scored(NamedTuple):
     advantages: jax.Array
 
 
-def _rollout_and_score(ctx: _Context, t: _LoopState, step: int, base_key: jax.Array,
-                       reward_cfg: RewardConfig) -> _Scored:
-    """The step's prompts (this process's), the engine's rollout, the rewards (each process decodes and scores its
-    own rows) and the advantages (estimator state advanced)."""
+def _request(ctx: _Context, t: _LoopState, through: int, base_key: jax.Array) -> None:
+    """Ask the engine for every batch up to step `through` not yet asked for (and below train.steps): this
+    process's prompts of each, in step order."""
+    run, job = ctx.run, t.job
+    while t.pipeline.next_request <= min(through, run.train.steps - 1):
+        step = t.pipeline.next_request
+        problems = next(t.data_iter)  # this process's prompts (all of them in a single-process run)
+        prompts, mask = encode_prompts(problems, job.tokenizer, job.fmt, job.prompt_len)
+        prompts, mask = t.mine.global_prompts(np.asarray(prompts)), t.mine.global_prompts(np.asarray(mask))
+        t.pipeline.request(step, problems, prompts, mask, jax.random.fold_in(base_key, step))
+
+
+def _score(ctx: _Context, t: _LoopState, batch: Batch, reward_cfg: RewardConfig) -> _Scored:
+    """The batch's rollout on the trainer's mesh, its rewards (each process decodes and scores its own rows) and
+    the advantages (estimator state advanced)."""
     run, job = ctx.run, t.job
     n = run.rollout.num_samples
-    problems = next(t.data_iter)  # this process's prompts (all of them in a single-process run)
-    prompts, mask = encode_prompts(problems, job.tokenizer, job.fmt, job.prompt_len)
-    prompts, mask = t.mine.global_prompts(np.asarray(prompts)), t.mine.global_prompts(np.asarray(mask))
-    rollout = t.engine.generate(prompts, mask, jax.random.fold_in(base_key, step))
+    rollout = batch.rollout()
     rollout = jax.device_put(rollout, batch_shardings(rollout, job.mesh))  # rows over the batch axes
     texts = decode_responses(local_rows(rollout.tokens), local_rows(rollout.response_mask), job.tokenizer,
                              job.prompt_len)
     local_rewards, reward_stats = score_responses([job.fmt.scoring_text(x) for x in texts],
-                                                  t.mine.row_problems(problems), config=reward_cfg,
+                                                  t.mine.row_problems(batch.problems), config=reward_cfg,
                                                   reward_fn=ctx.reward_fn)
     rewards = global_rows(np.asarray(local_rewards, np.float32), rollout.lengths.sharding,
                           (run.rollout.prompts_per_step * n,))
@@ -561,12 +626,40 @@ def _rollout_and_score(ctx: _Context, t: _LoopState, step: int, base_key: jax.Ar
     return _Scored(rollout, np.asarray(local_rewards, np.float64), reward_stats, advantages)
 
 
-def _train_and_publish(run: RunConfig, t: _LoopState, scored: _Scored, step: int) -> dict[str, float]:
+def _admit(ctx: _Context, t: _LoopState, batch: Batch, step: int, base_key: jax.Array
+           ) -> tuple[Batch, float | None, dict[str, float]]:
+    """Staleness of step `step`'s batch in versions and in predicted KL (the sum of the controller's predicted KLs
+    of the updates since its version); over rollout.max_stale_kl it is regenerated with the current policy, or
+    trained with its importance weights capped at rollout.stale_tis_cap (stale_action). Returns the batch to
+    train, the rows' importance-weight cap for the batch (None: the batch carries none) and the metrics
+    (stale_kl_predicted: the batch's as it came, which the budget judged; versions_behind: the trained one's)."""
+    run = ctx.run.rollout
+    stale_kl = t.pipeline.stale_kl(batch, step)
+    metrics = {"versions_behind": float(step - batch.version), "stale_kl_predicted": stale_kl,
+               "regenerated": 0.0, "stale_clipped": 0.0}
+    over = bool(run.max_stale_kl) and stale_kl > run.max_stale_kl
+    cap = None
+    if run.max_stale_kl and run.stale_action == "clip":
+        cap = run.stale_tis_cap if over else ctx.run.algorithm.tis_cap
+        metrics["stale_clipped"] = float(over)
+    elif over:  # regenerate with the policy of this step (the engine has been sent every update before it)
+        n, rollout = run.num_samples, batch.rollout()
+        prompts, mask = rollout.tokens[::n, :t.job.prompt_len], rollout.prompt_mask[::n]
+        key = jax.random.fold_in(jax.random.fold_in(base_key, step), 1)
+        batch = t.pipeline.request(step, batch.problems, prompts, mask, key, regenerated=True)
+        batch.rollout()
+        metrics.update(regenerated=1.0, versions_behind=float(step - batch.version))
+    return batch, cap, metrics
+
+
+def _train_and_publish(run: RunConfig, t: _LoopState, scored: _Scored, step: int, tis_cap: float | None = None
+                       ) -> dict[str, float]:
     """The jitted train step on the scored rollout (KL reference and KL probe as configured), then the engine
     brought to the new weights; the step's metrics with the sync's. The engine releases its copy of the weights
     first (the colocated engine's bf16 copy need not sit beside the train step's peak; publish rebuilds it)."""
     t.engine.release()
-    batch = _rl_batch(scored.rollout, scored.advantages)
+    repaired = t.pipeline.repair_if_needed(t.state.params)  # before the step takes the weights
+    batch = _rl_batch(scored.rollout, scored.advantages, tis_cap)
     if t.ref_logprobs is not None:
         batch["ref_logprobs"] = t.ref_logprobs(batch)
     probe = None
@@ -581,8 +674,12 @@ def _train_and_publish(run: RunConfig, t: _LoopState, scored: _Scored, step: int
     t.state, out, updates = t.step_fn(t.state, t.rest, batch, probe)
     # Wait for the step (its metrics) before timing the sync, so that sync_time is the sync's own.
     out = {k: float(v) for k, v in jax.device_get(out).items()}
-    report = t.engine.publish(updates, t.state.params)
-    out.update(sync_bytes=float(report.nbytes), sync_time=report.seconds, sync_resyncs=float(t.engine.resyncs))
+    applied = not (out.get("kl_refused") or out.get("kl_undone"))
+    report = t.pipeline.publish(updates, t.state.params, out.get("kl_predicted", 0.0) if applied else 0.0)
+    reports = [r for r in (repaired, report) if r is not None] + t.pipeline.reports()
+    if reports:  # a pipelined run's deliveries come later: those done by now
+        out.update(sync_bytes=float(sum(r.nbytes for r in reports)), sync_time=sum(r.seconds for r in reports))
+    out["sync_resyncs"] = float(t.engine.resyncs)
     return out
 
 
@@ -618,13 +715,18 @@ def _guard(out: dict[str, float], step: int, refusals: int, log: metrics_lib.Log
 def _checkpoint_or_stop(ctx: _Context, t: _LoopState, step: int) -> None:
     """Called every step: the manager saves every `checkpoint_every` steps and on JAX's preemption notice; the
     final step and a stop request (SIGTERM / SIGINT, on any process: every process stops at this step) always
-    save when checkpoints are on, and a stop request then raises RunPreempted."""
+    save when checkpoints are on, and a stop request then raises RunPreempted. A pipelined run's checkpoint waits
+    for the batches in flight and holds them (with their versions, problems and step KLs)."""
     run, stop, ckpt = ctx.run, ctx.stop, ctx.ckpt
     last = step + 1 == run.train.steps
     signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
     must = signum is not None or (last and run.train.checkpoint_every > 0)
-    ckpt.save(step + 1, (t.state, t.est_state), data_state=t.data_iter.get_state(),
-              extra={"accuracy_before": t.accuracy_before, "sft": t.warm_start},
+    tree: tuple[Any, ...] = (t.state, t.est_state)
+    extra = {"accuracy_before": t.accuracy_before, "sft": t.warm_start}
+    if t.pipeline.pending and (must or ckpt.should_save(step + 1)):  # the batches in flight go with it
+        t.pipeline.drain()
+        tree, extra["pipeline"] = (*tree, pending_tree(t.pipeline)), pending_record(t.pipeline)
+    ckpt.save(step + 1, tree, data_state=t.data_iter.get_state(), extra=extra,
               force=must and not ckpt.should_save(step + 1))
     ckpt.check_for_errors()  # a failed background save stops the run here, naming the directory
     if signum is not None and not last:
@@ -644,14 +746,19 @@ def _rl_loop(ctx: _Context, t: _LoopState) -> None:
     _closes(ctx.opened, progress)
     reward_cfg = RewardConfig(correct=run.algorithm.reward_correct, incorrect=run.algorithm.reward_incorrect,
                               format_weight=run.algorithm.format_weight)
-    refusals = 0
+    refusals, depth = 0, run.rollout.max_staleness
     for step in range(start, run.train.steps):
         t0 = time.perf_counter()
-        scored = _rollout_and_score(ctx, t, step, base_key, reward_cfg)
+        _request(ctx, t, step, base_key)  # this step's batch (already asked for when pipelined)
+        batch, waited = t.pipeline.pop(step)
+        batch, tis_cap, staleness = _admit(ctx, t, batch, step, base_key)
+        _request(ctx, t, step + depth, base_key)  # the engine generates ahead while the trainer trains
+        t.pipeline.forget_kl_before(min([b.version for b in t.pipeline.pending], default=t.pipeline.version))
+        scored = _score(ctx, t, batch, reward_cfg)
         t_rollout = time.perf_counter() - t0
-        out = _train_and_publish(run, t, scored, step)
-        out.update(_rollout_metrics(run, t, scored, reward_cfg), rollout_time=t_rollout,
-                   step_time=time.perf_counter() - t0, **metrics_lib.memory_stats())
+        out = _train_and_publish(run, t, scored, step, tis_cap)
+        out.update(_rollout_metrics(run, t, scored, reward_cfg), rollout_time=t_rollout, rollout_wait=waited,
+                   step_time=time.perf_counter() - t0, **staleness, **metrics_lib.memory_stats())
         refusals = _guard(out, step, refusals, log)
         if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:
             out["eval_accuracy"] = t.evaluate(run, log)
@@ -729,9 +836,9 @@ class _ProcessRows:
         return [problems[row // self.n - self.prompts[0]] for row in range(*self.rollout)]
 
 
-def _restore(ctx: _Context, candidates: list[int], abstract: Any) -> tuple[Any, _Restored]:
-    """Restore the first readable checkpoint of `candidates` (newest first) into `abstract`: (its tree, the rest
-    of what it holds). Checkpoints newer than it are moved to workdir/checkpoints_set_aside (kept) so that the
+def _restore(ctx: _Context, candidates: list[int], abstract: Callable[[int], Any]) -> tuple[Any, _Restored]:
+    """Restore the first readable checkpoint of `candidates` (newest first) into `abstract(step)`: (its tree, the
+    rest of what it holds). Checkpoints newer than it are moved to workdir/checkpoints_set_aside (kept) so that the
     resumed run can write those steps again.
 
     Raises:
@@ -741,7 +848,7 @@ def _restore(ctx: _Context, candidates: list[int], abstract: Any) -> tuple[Any, 
     for i, step in enumerate(candidates):
         e: CheckpointError | None = None
         try:
-            tree, data_state, extra = ckpt.restore(step, abstract=abstract)
+            tree, data_state, extra = ckpt.restore(step, abstract=abstract(step))
         except CheckpointError as error:
             e = error
         # Each process reads its own shards: all fall back (or stop) together when any could not read them.

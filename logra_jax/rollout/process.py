@@ -14,6 +14,7 @@ message, or a sync payload's bytes); every reply is a packed {"ok": true, ...} (
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -46,6 +47,9 @@ OPS: Mapping[str, bytes] = {"hello": b"H", "sync": b"S", "generate": b"G", "fetc
                             "probe": b"P", "shutdown": b"Q"}
 _OP_NAMES = {code: name for name, code in OPS.items()}
 _REPLY = b"R"
+# In an engine's environment: the CPUs its process (and every thread it starts) may run on, as taskset's list
+# ("1", "2-3,6"); set before the engine starts (measuring overlap on a small host: each side its own cores).
+CPUS_ENV = "LOGRA_ENGINE_CPUS"
 
 Reply = tuple[Mapping[str, Any], Mapping[str, np.ndarray]]  # a reply's meta (beside "ok") and arrays
 E = TypeVar("E")
@@ -101,10 +105,12 @@ class EngineProcess:
                 cwd: str | Path | None) -> None:
         self._log = Path(tempfile.mkstemp(prefix=self.label.replace(" ", "_") + "_", suffix=".log")[1])
         listener = socket.create_server(("127.0.0.1", 0))
+        cpus = cpu_list(env.get(CPUS_ENV, ""))
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
                 [*argv, "--connect", f"127.0.0.1:{listener.getsockname()[1]}", "--secret-stdin"], env=dict(env),
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self._finalizer = weakref.finalize(self, _stop, self._proc, None, self._log)
         try:
             self._proc.stdin.write(secret.hex().encode() + b"\n")
@@ -194,6 +200,29 @@ class EngineProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs from taskset's list syntax ("" → none: no pinning).
+
+    Raises:
+      ValueError: a malformed list or a CPU this host does not have (naming CPUS_ENV and the value).
+
+    Example:
+      >>> sorted(cpu_list("0,2-3"))
+      [0, 2, 3]
+    """
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, text.replace(" ", "").split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"{CPUS_ENV}={text!r}: not a CPU list such as '1' or '2-3,6'") from None
+    unknown = sorted(cpus - set(range(os.cpu_count() or 1)))
+    if unknown:
+        raise ValueError(f"{CPUS_ENV}={text!r}: this host has CPUs 0-{(os.cpu_count() or 1) - 1}, not {unknown}")
+    return cpus
 
 
 def _stop(proc: subprocess.Popen, sock: socket.socket | None, log: Path | None, grace_s: float = 10.0) -> None:

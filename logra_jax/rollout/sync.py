@@ -283,15 +283,25 @@ class PolicySync:
 
     def push(self, updates: Any, params: Any) -> SyncReport:
         """Publish the update that took the trainer from `self.version` to `self.version + 1` (params after it)."""
+        payload, start = self.prepare(updates, params)
+        return self.send(payload, params, start)
+
+    def prepare(self, updates: Any, params: Any) -> tuple[SyncPayload, float]:
+        """The delta of the update that took the trainer from `self.version` to `self.version + 1` (params after
+        it), built now (factors copied to the host, or kept on device), and the time building it began: what
+        `send` then delivers, possibly later and from another thread (an asynchronous pipeline builds each delta
+        before the trainer's next step takes the weights)."""
         start = time.perf_counter()
         payload = delta_payload(updates, params, self.version + 1, trained=self.trained, host=not self.on_device)
         self.version += 1
-        return self.send(payload, params, start)
+        return payload, start
 
     def send(self, payload: SyncPayload | bytes, params: Any, start: float | None = None) -> SyncReport:
         """Deliver a payload (or raw bytes); on a resync request deliver a snapshot of `params` at `self.version`.
 
-        `start` (a time.perf_counter() reading) marks when building the payload began; None = now.
+        `start` (a time.perf_counter() reading) marks when building the payload began; None = now. With params
+        None (weights the caller can no longer offer, e.g. donated to the next step) a resync request is returned
+        unanswered: the report's reply has status "resync", and the caller repairs the engine with `repair`.
 
         Raises:
           SyncError: the snapshot is not accepted either.
@@ -303,11 +313,23 @@ class PolicySync:
         reason = ""
         if reply.status == "resync":
             reason = reply.reason
-            self.resyncs += 1
-            snapshot = snapshot_payload(params, self.version, host=not self.on_device)
-            nbytes += snapshot.nbytes
-            reply = self._receive(snapshot)
-            if reply.status != "loaded":
-                raise SyncError(f"rollout engine refused the version {self.version} snapshot: {reply.reason} "
-                                f"(after: {reason})")
+            if params is None:
+                return SyncReport(self.version, nbytes, time.perf_counter() - start, sent - start, reply, reason)
+            repaired = self.repair(params)
+            nbytes += repaired.nbytes
+            reply = repaired.reply
         return SyncReport(self.version, nbytes, time.perf_counter() - start, sent - start, reply, reason)
+
+    def repair(self, params: Any) -> SyncReport:
+        """Send a snapshot of `params` (the trainer's weights at `self.version`) in answer to a resync request.
+
+        Raises:
+          SyncError: the engine does not load it.
+        """
+        start = time.perf_counter()
+        self.resyncs += 1
+        snapshot = snapshot_payload(params, self.version, host=not self.on_device)
+        reply = self._receive(snapshot)
+        if reply.status != "loaded":
+            raise SyncError(f"rollout engine refused the version {self.version} snapshot: {reply.reason}")
+        return SyncReport(self.version, snapshot.nbytes, time.perf_counter() - start, 0.0, reply, "")
