@@ -1,4 +1,5 @@
-"""The rollout engine behind one interface (`RolloutEngine`), colocated or in a process of its own.
+"""The rollout engine behind one interface (`RolloutEngine`): colocated, on devices of its own, or in a process of
+its own.
 
 Every engine answers the same calls, so the RL loop has one code path:
   publish(updates, params) -> SyncReport     bring the engine to the trainer's weights after an update
@@ -20,9 +21,19 @@ holds each layer's weights as arrays of their own (`ModelConfig.decode_unroll`: 
 out of a stacked weight in every decode step), cut out of the trainer's stacks by the same publish, so it never
 shares a block's weight with the trainer there.
 
+`DeviceEngine` is our engine in this process on devices of its own (a job gives the trainer its first n − k devices
+and the engine the last k, `rollout.engine_devices`), so it can decode while the trainer trains. It holds float32
+masters in a decode layout over its k devices (`DecodeLayout` on those devices alone) and is fed by low-rank policy
+sync with device payloads: per update the trainer's factors (bf16(U) and the seed's step) move device to device
+onto the engine's mesh (jax.device_put; nothing goes through the host but one fingerprint number per leaf), where
+the trainer's merge is repeated on the masters, bitwise. From the masters it casts its decode weights, the
+compute-dtype matrices of the colocated engine's layout, so they are bit for bit what the trainer's weights round
+to; `release` has nothing to drop, and its rollouts come back on its own devices.
+
 `WorkerEngine` drives an engine process (our worker, logra_jax.rollout.worker; vLLM's, logra_jax.rollout.vllm.engine
 builds on it) through low-rank policy sync (logra_jax.rollout.sync.PolicySync): the process receives U and seeds,
-never dense weights, and keeps its own float32 masters equal to the trainer's.
+never dense weights, and keeps its own float32 masters equal to the trainer's. `DeviceEngine` is one whose receiver
+is in this process.
 """
 
 from __future__ import annotations
@@ -30,14 +41,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from logra_jax.core.tree_paths import flat_params, path_str
 from logra_jax.models.config import ModelConfig
@@ -49,11 +60,12 @@ from logra_jax.rollout.sampling import Rollout, SamplingConfig
 from logra_jax.rollout.slots import generate
 from logra_jax.rollout.sync import PolicySync, SyncPayload, SyncReport
 from logra_jax.rollout.vllm.settings import VLLMSettings
+from logra_jax.rollout.worker import InProcessTransport, WorkerProcessTransport, place
 
 
 class RolloutEngine(abc.ABC):
     """The rollout engine's interface (as Tunix's `BaseRollout`): what the RL loop calls, whichever engine serves
-    it. `rollout_engine` builds the one a config asks for: `ColocatedEngine`, `WorkerEngine` or
+    it. `rollout_engine` builds the one a config asks for: `ColocatedEngine`, `DeviceEngine`, `WorkerEngine` or
     `logra_jax.rollout.vllm.engine.VLLMEngine`."""
 
     resyncs: int = 0  # snapshots sent to repair the engine's weights (a lost, corrupted or drifted update)
@@ -251,6 +263,23 @@ class DecodeLayout:
         """The engine's state tree (nnx.State) from leaves by path."""
         return jax.tree_util.tree_map_with_path(lambda k, _: flat[path_str(k)], self.abstract)
 
+    def build(self, leaves: dict[str, Any], share: bool = True) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """The engine's state from these source leaves (arrays by path: the trainer's, or a `DeviceEngine`'s
+        masters), ready on the devices: the leaves it can hold as they are shared (with `share`; else copied too),
+        the others cast and resharded one group at a time (bounded reshard temporaries). Returns (state, shared,
+        copied), the last two by path.
+
+        Raises:
+          ValueError: a parameter of the engine's model that `leaves` lack (`split`).
+        """
+        shared, to_copy = self.split(leaves)
+        if not share:
+            shared, to_copy = {}, {p: leaves[p] for p in self.sources}
+        copied: dict[str, Any] = {}
+        for group in self.groups(to_copy):
+            copied.update(self.cast(group)(group))
+        return jax.block_until_ready(self.state({**shared, **copied})), shared, copied
+
 
 class ColocatedEngine(RolloutEngine):
     """The engine on the trainer's devices, its weights resident in the decode layout (see the module docstring).
@@ -290,12 +319,10 @@ class ColocatedEngine(RolloutEngine):
         weights themselves): cast to the engine's dtypes and reshard into the decode layout."""
         del updates
         start = time.perf_counter()
-        shared, to_copy = self.layout.split({**self._rest, **flat_params(params)})
+        leaves = {**self._rest, **flat_params(params)}
+        self.layout.split(leaves)  # a missing parameter is reported before the previous copy goes
         self.state = None  # the previous copy goes before the new one is built (the peak holds one copy)
-        copied: dict[str, Any] = {}
-        for group in self.layout.groups(to_copy):  # one program per group: bounded reshard temporaries
-            copied.update(self.layout.cast(group)(group))
-        self.state = jax.block_until_ready(self.layout.state({**shared, **copied}))
+        self.state, shared, copied = self.layout.build(leaves)
         self.version = self.version + 1 if version is None else version
         self.shared_bytes, self.copied_bytes = device_bytes(shared, whole=True), device_bytes(copied, whole=True)
         seconds = time.perf_counter() - start
@@ -328,9 +355,17 @@ class WorkerEngine(RolloutEngine):
     """An engine in a process of its own (our rollout worker; vLLM's, `VLLMEngine`, builds on this) fed by low-rank
     payloads: `publish` pushes the update through `PolicySync` (`sync`) to the transport's receiver."""
 
-    def __init__(self, transport: Transport, params: Any, *, version: int = 0, trained: Collection[str] = ()):
+    def __init__(self, transport: Transport, params: Any, *, version: int = 0, trained: Collection[str] = (),
+                 on_device: bool = False):
+        """transport: the receiver; params: the trainer's weights at `version` (the bootstrap snapshot); trained:
+        non-target paths trained densely; on_device: hand the payloads over as device arrays (a receiver in this
+        process, `DeviceEngine`) instead of host copies."""
         self.transport = transport
-        self.sync = PolicySync(transport.sync, params, version=version, trained=trained)
+        self.sync = PolicySync(self._receive, params, version=version, trained=trained, on_device=on_device)
+
+    def _receive(self, payload: SyncPayload | bytes) -> SyncReply:
+        """Hand a payload to the transport (PolicySync's receiver)."""
+        return self.transport.sync(payload)
 
     @property
     def resyncs(self) -> int:
@@ -354,19 +389,117 @@ class WorkerEngine(RolloutEngine):
         self.transport.close()
 
 
+class DeviceEngine(WorkerEngine):
+    """Our engine in this process on devices of its own (none of the trainer's), fed by low-rank payloads that move
+    device to device (see the module docstring).
+
+    Its float32 masters are an `InProcessTransport`'s, held in the shardings of a decode layout over `devices`
+    (`DecodeLayout`: a (data = k / t, fsdp = 1, tensor = t) mesh); each update arrives as a device payload
+    (`PolicySync(..., on_device=True)`) whose factors the receiver moves from the trainer's devices onto that mesh
+    with jax.device_put, never through the host, and merges as the trainer did, so the masters stay bitwise the
+    trainer's weights. After every accepted payload the engine casts the masters into its decode weights (the
+    layout's compute-dtype matrices), bit for bit what the trainer's weights round to, and decodes from those. The
+    decode weights share no buffer with the masters (each update donates those), so a rollout still running keeps
+    its weights while the next payload applies. The devices hold both: 1.5× the float32 weights of a bf16 model
+    (2× of a float32 one), over k devices.
+
+    Args:
+      model_config: the trainer's model config (its compute dtype is the decode weights' dtype).
+      sampling: the rollout's sampling and scheduling settings.
+      devices: the engine's devices (none of the trainer mesh's; `rollout_engine` checks).
+      params: the trainer's weights (nnx.State) at `version`: the bootstrap snapshot, moved device to device.
+      version: trainer updates completed at `params`.
+      trained: non-target paths trained densely (their dense updates are sent).
+      tensor: t of the decode layout (0: `default_decode_tensor` on these devices).
+      per_layer: the decode weights one leaf per layer (`DecodeLayout`; None: on GPUs only).
+
+    Raises:
+      ValueError: no devices, a device listed twice, or a `tensor` that does not divide their number.
+    """
+
+    def __init__(self, model_config: ModelConfig, sampling: SamplingConfig, devices: Sequence[jax.Device],
+                 params: Any, *, version: int = 0, trained: Collection[str] = (), tensor: int = 0,
+                 per_layer: bool | None = None):
+        devices = list(devices)
+        if not devices or len(set(devices)) != len(devices):
+            raise ValueError(f"config.rollout.engine_devices: the engine needs distinct devices, got "
+                             f"{[d.id for d in devices]}")
+        self.sampling = sampling
+        self.layout = DecodeLayout(model_config, make_mesh(MeshConfig(), devices), tensor, per_layer)
+        self.graphdef, self.mesh, self.tensor = self.layout.graphdef, self.layout.mesh, self.layout.tensor
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.state: Any = None
+        self.version: int | None = None  # trainer updates in the decode weights (None: no weights)
+        masters = flat_params(param_shardings(nnx.state(abstract_model(model_config)), self.mesh))
+        super().__init__(InProcessTransport(model_config, sampling, masters), params, version=version,
+                         trained=trained, on_device=True)
+
+    def _receive(self, payload: SyncPayload | bytes) -> SyncReply:
+        """Apply a payload to the masters, then rebuild the decode weights from them (once they hold a version the
+        trainer vouched for; unsynchronised masters leave none until the snapshot that repairs them)."""
+        reply = self.transport.sync(payload)
+        if reply.status in ("applied", "loaded"):
+            self.state = None  # the previous copy goes before the new one is built (unless a rollout holds it)
+            self.state = self.layout.build(flat_params(self.transport.weights.params), share=False)[0]
+            self.version = reply.version
+        elif self.transport.weights.version is None:
+            self.state = self.version = None  # the masters drifted: nothing to decode from until a snapshot
+        return reply
+
+    def release(self) -> None:
+        """Nothing to drop: the engine's weights are on devices of its own."""
+
+    def generate(self, prompts: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+                 config: SamplingConfig | None = None) -> Rollout:
+        """Sample with the engine's decode weights (config: another SamplingConfig, e.g. greedy). Prompts, mask and
+        key may lie anywhere (host, the trainer's devices, sharded or not): they are put on the engine's mesh,
+        replicated, device to device (`logra_jax.rollout.worker.place`); the Rollout comes back on the engine's
+        devices (the caller moves it where it needs it).
+
+        Raises:
+          RuntimeError: the engine holds no synchronised weights (closed, or a failed sync).
+        """
+        if self.state is None:
+            raise RuntimeError("DeviceEngine.generate: the engine holds no synchronised weights (closed, or a sync "
+                               "that no snapshot repaired)")
+        put = lambda x: place(x if isinstance(x, jax.Array) else np.asarray(x), self._replicated)
+        return generate(self.graphdef, self.state, put(prompts), put(prompt_mask), put(key), config or self.sampling,
+                        mesh=self.mesh)
+
+    def close(self) -> None:
+        self.state = self.version = None
+        super().close()
+
+
 def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingConfig, mesh: Mesh, params: Any,
                    rest: Any, *, version: int = 0, trained: Collection[str] = (), decode_tensor: int = 0,
                    per_layer: bool | None = None, vllm: VLLMSettings | None = None, model_dir: str | None = None,
-                   **worker_options: Any) -> RolloutEngine:
-    """The engine for `config.rollout`: with `vllm` (its VLLMSettings) vLLM in its own process on the Hugging Face
-    folder `model_dir`, fed by low-rank payloads (`logra_jax.rollout.vllm.engine.VLLMEngine`); else by `workers`:
-    0 = colocated (`ColocatedEngine`, decode layout with t = decode_tensor, weights per layer or stacked by
-    per_layer), 1 = a worker process fed by low-rank payloads (`WorkerEngine`; worker_options go to
-    `WorkerProcessTransport`).
+                   engine_devices: Sequence[jax.Device] = (), **worker_options: Any) -> RolloutEngine:
+    """The engine for `config.rollout`.
+
+    - `vllm` (its VLLMSettings): vLLM in its own process on the Hugging Face folder `model_dir`, fed by low-rank
+      payloads (`logra_jax.rollout.vllm.engine.VLLMEngine`);
+    - `engine_devices` (with workers = 0): our engine in this process on those devices, none of `mesh`'s (a job
+      gives the trainer its first n − k devices and the engine the last k), fed by low-rank payloads that move
+      device to device (`DeviceEngine`: decode layout over the k devices with t = decode_tensor, weights per layer
+      or stacked by per_layer);
+    - else by `workers`: 0 = colocated on the trainer's devices (`ColocatedEngine`, decode layout with t =
+      decode_tensor, weights per layer or stacked by per_layer), 1 = a worker process fed by low-rank payloads
+      (`WorkerEngine`; worker_options go to `WorkerProcessTransport`).
 
     Raises:
-      ValueError: another `workers` value, or worker options for the colocated engine (named).
+      ValueError: another `workers` value; worker options for an engine in this process; `engine_devices` with
+        workers = 1 or vLLM, listing a device twice or one of the trainer mesh's (each named).
     """
+    if engine_devices:
+        if vllm is not None or workers != 0:
+            raise ValueError(f"rollout.engine_devices places our JAX engine in this process: it needs workers=0 and "
+                             f"no vLLM, got workers={workers!r}{' and vLLM' if vllm is not None else ''}")
+        ids = [d.id for d in engine_devices]
+        shared = sorted(set(ids) & {d.id for d in mesh.devices.flat})
+        if shared:
+            raise ValueError(f"rollout.engine_devices {ids} overlap the trainer's mesh on devices {shared}: the engine "
+                             "needs devices of its own")
     if vllm is not None:
         from logra_jax.rollout.vllm.engine import VLLMEngine
         return VLLMEngine(model_config, sampling, params, model_dir=model_dir, settings=vllm, version=version,
@@ -374,10 +507,12 @@ def rollout_engine(workers: int, model_config: ModelConfig, sampling: SamplingCo
     if workers == 0:
         if worker_options:
             raise ValueError(f"rollout_engine: options {sorted(worker_options)} only apply to workers=1")
+        if engine_devices:
+            return DeviceEngine(model_config, sampling, engine_devices, params, version=version, trained=trained,
+                                tensor=decode_tensor, per_layer=per_layer)
         return ColocatedEngine(model_config, sampling, mesh, params, rest, version=version, tensor=decode_tensor,
                                per_layer=per_layer)
     if workers == 1:
-        from logra_jax.rollout.worker import WorkerProcessTransport
         return WorkerEngine(WorkerProcessTransport(model_config, sampling, **worker_options), params,
                             version=version, trained=trained)
     raise ValueError(f"rollout_engine: workers must be 0 (colocated) or 1 (worker process), got {workers!r}")

@@ -44,6 +44,37 @@ _JAX_FLAGS = ("jax_default_matmul_precision", "jax_threefry_partitionable", "jax
 _apply = jax.jit(apply_updates, donate_argnums=0)
 
 
+_reshard = jax.jit(jax.lax.with_sharding_constraint, static_argnums=1)
+
+
+def place(a: Any, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """`a` laid out in `sharding`, a device array never through the host.
+
+    jax.device_put reads an array back to the host when it moves it to other devices in another layout (jax
+    0.10.2: a sharded source has no buffer holding a whole destination shard), so an array on other devices (the
+    trainer's, for `logra_jax.rollout.engine.DeviceEngine`) is gathered where it lies, copied whole to each of the
+    sharding's devices (buffer copies between devices), then cut there.
+
+    Args:
+      a: a device array (a global array of a multi-process run too, when already laid out so) or a host array.
+      sharding: where it goes.
+
+    Returns:
+      `a` itself when already laid out so; else a copy: resharded where it lies (on the sharding's devices),
+      moved as above (from other devices), or copied in (a host array).
+    """
+    if not isinstance(a, jax.Array):
+        return jax.device_put(a, sharding)
+    if a.sharding.is_equivalent_to(sharding, a.ndim):
+        return a
+    if a.sharding.device_set == sharding.device_set:
+        return _reshard(a, sharding)
+    if not a.sharding.is_fully_replicated:
+        a = _reshard(a, jax.sharding.NamedSharding(a.sharding.mesh, jax.sharding.PartitionSpec()))
+    whole = jax.device_put(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    return whole if whole.sharding.is_equivalent_to(sharding, a.ndim) else _reshard(whole, sharding)
+
+
 class RolloutWeights:
     """The rollout engine's float32 masters, kept bitwise equal to the trainer's through payloads.
 
@@ -55,21 +86,24 @@ class RolloutWeights:
       'loaded'
     """
 
-    def __init__(self, abstract_params: Any, shardings: Mapping[str, jax.sharding.Sharding] | None = None):
+    def __init__(self, abstract_params: Any, shardings: Mapping[str, jax.sharding.NamedSharding] | None = None):
         """abstract_params: the parameter tree with ShapeDtypeStruct (or array) leaves: structure, shapes, dtypes.
-        shardings: {path: sharding} of every leaf (the trainer's, for a colocated engine on the trainer's mesh):
-        the weights are kept, and every update applied, in these shardings; None: one device."""
+        shardings: {path: NamedSharding} of every leaf, all on one mesh (the trainer's, for a colocated engine on
+        the trainer's mesh; a mesh of its own for `logra_jax.rollout.engine.DeviceEngine`): the weights are kept,
+        and every update applied, in these shardings, and the arrays of a device payload that lie on other devices
+        are moved onto the mesh device to device (`place`, `_onto_mesh`); None: one device."""
         self._abstract = abstract_params
         self._shapes = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in flat_params(abstract_params).items()}
         self._apply = _apply
         self._place = lambda a, p: jnp.asarray(a)
+        self._shardings = shardings
         if shardings is not None:
             missing = sorted(set(self._shapes) - set(shardings))
             if missing:
                 raise ValueError(f"RolloutWeights: no sharding for parameters {missing[:4]}")
             tree = jax.tree_util.tree_map_with_path(lambda k, _: shardings[path_str(k)], abstract_params)
             self._apply = jax.jit(apply_updates, donate_argnums=0, out_shardings=tree)
-            self._place = lambda a, p: a if isinstance(a, jax.Array) else jax.device_put(a, shardings[p])
+            self._place = lambda a, p: place(a, shardings[p])
         self.params: Any = None
         self.version: int | None = None
         self.counts = {"applied": 0, "loaded": 0, "stale": 0, "resync": 0}
@@ -88,6 +122,7 @@ class RolloutWeights:
                 payload = SyncPayload.from_bytes(payload)
             payload.verify()
             self._check_structure(payload)
+            payload = self._onto_mesh(payload)
             updates = None if payload.kind == "snapshot" else jax.tree_util.tree_map_with_path(
                 lambda k, _: self._update_of(payload, path_str(k)), self._abstract)
         except ValueError as err:  # PayloadError, or factors that do not fit their targets
@@ -106,6 +141,28 @@ class RolloutWeights:
                                          f"{payload.parent}")
         self.params = jax.block_until_ready(self._apply(self.params, updates))
         return self._commit(payload, "applied")
+
+    def _onto_mesh(self, payload: SyncPayload) -> SyncPayload:
+        """A device payload with its factors, decays and dense updates on the weights' mesh: an array that lies on
+        other devices (the trainer's, for an engine on devices of its own) is moved there device to device (`place`:
+        factors and decays replicated, in the dtype they came in; a dense update in its weight's sharding); one on
+        the mesh's devices already is kept as it is. A host payload is returned unchanged."""
+        if not payload.on_device or self._shardings is None:
+            return payload
+        shardings = self._shardings
+        mesh = next(iter(shardings.values())).mesh
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        devices = set(mesh.devices.flat)
+
+        def move(a: Any, sharding: jax.sharding.NamedSharding) -> Any:
+            if not isinstance(a, jax.Array) or a.sharding.device_set == devices:
+                return a
+            return place(a, sharding)
+
+        factors = {p: dataclasses.replace(f, factor=move(f.factor, replicated), decay=move(f.decay, replicated))
+                   for p, f in payload.factors.items()}
+        dense = {p: move(a, shardings[p]) for p, a in payload.dense.items()}
+        return dataclasses.replace(payload, factors=factors, dense=dense)
 
     @staticmethod
     def _update_of(payload: SyncPayload, path: str) -> Any:
@@ -155,7 +212,7 @@ class RolloutWorker:
     """
 
     def __init__(self, model_config: ModelConfig, sampling: SamplingConfig,
-                 shardings: Mapping[str, jax.sharding.Sharding] | None = None):
+                 shardings: Mapping[str, jax.sharding.NamedSharding] | None = None):
         mesh = None if not shardings else next(iter(shardings.values())).mesh
         self.sampler = Sampler(abstract_model(model_config), sampling, mesh=mesh)
         self.weights = RolloutWeights(self.sampler.state, shardings)
@@ -196,7 +253,8 @@ class InProcessTransport(RolloutWorker):
 
     Payloads may be handed over as device arrays (`PolicySync(..., on_device=True)`); with `shardings` the copy
     lives on that mesh, each process of a multi-process run holding and updating its own shards, and `generate`
-    takes and returns global arrays."""
+    takes and returns global arrays. The mesh may be the trainer's or one of other devices (the masters of
+    `logra_jax.rollout.engine.DeviceEngine`): a device payload's arrays then move onto it device to device."""
 
 
 def _key_arrays(key: jax.Array) -> tuple[str | None, np.ndarray]:
