@@ -226,7 +226,9 @@ class RolloutSection:
     bound; needs optimizer.kl_control); stale_action: what happens to a batch over it, "regenerate" (with the
     current policy) or "clip" (trained with its importance weights capped at stale_tis_cap, needs algorithm.tis_cap).
     engine_cpus: the CPUs the worker process of workers=1 runs on, as taskset's list ("1", "2-3"; "" = this
-    process's): each side its own cores, to measure overlap on a small host.
+    process's): each side its own cores, to measure overlap on a small host. engine_restarts: how many times an
+    engine process that dies (or fails a request) is restarted from the trainer's weights, the lost batches asked
+    again (the synchronous loop's result unchanged), before the run stops naming the engine and its last output.
     """
 
     prompts_per_step: int = 16
@@ -256,6 +258,7 @@ class RolloutSection:
     stale_action: str = "regenerate"
     stale_tis_cap: float = 1.0
     engine_cpus: str = ""
+    engine_restarts: int = 3
 
     @property
     def per_layer(self) -> bool | None:
@@ -305,6 +308,7 @@ class RolloutSection:
         _check_range("rollout", "max_stale_kl", self.max_stale_kl, 0.0)
         _check_choice("rollout", "stale_action", self.stale_action, ("regenerate", "clip"))
         _check_range("rollout", "stale_tis_cap", self.stale_tis_cap, 0.0, lo_open=True)
+        _check_range("rollout", "engine_restarts", self.engine_restarts, 0)
         if self.engine_devices and (self.engine != "jax" or self.workers):
             _fail("rollout.engine_devices", self.engine_devices, "places our JAX engine in this process on devices "
                   "of its own: it needs rollout.engine='jax' and rollout.workers=0")

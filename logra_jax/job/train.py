@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import time
 from collections.abc import Callable, Mapping
@@ -91,7 +92,7 @@ with requires_extra("rl", "logra_jax.job.train"):
     from logra_jax.rl.prompts import PromptFormat, decode_responses, encode_prompts, max_prompt_length
     from logra_jax.rl.rewards import RewardConfig, RewardFn, score_responses
     from logra_jax.rollout.engine import RolloutEngine, rollout_engine
-    from logra_jax.rollout.process import CPUS_ENV
+    from logra_jax.rollout.process import CPUS_ENV, WorkerError
     from logra_jax.rollout.sampling import Rollout, SamplingConfig
 
 # Metrics that must stay finite: a NaN/inf here stops the run naming the step and the metric.
@@ -100,6 +101,7 @@ GUARDED = ("loss", "reward_mean", "grad_norm", "sketch_norm", "kl_realised", "kl
 # stop the run, naming the step.
 MAX_CONSECUTIVE_REFUSALS = 3
 _Closable = TypeVar("_Closable")  # anything with a close() method
+_T = TypeVar("_T")
 
 
 class KLRefusalError(RuntimeError):
@@ -421,8 +423,10 @@ class _LoopState:
     ref_logprobs: Callable[[Mapping[str, jax.Array]], jax.Array] | None
     engine: RolloutEngine
     pipeline: RolloutPipeline
+    make_engine: Callable[[TrainState], RolloutEngine]  # a new engine on the trainer's weights (a restart)
     greedy: SamplingConfig
     start: int
+    engine_failures: int = 0
     accuracy_before: float = float("nan")
     warm_start: dict[str, Any] | None = None  # `_warm_start`'s record (a resumed run: its checkpoint's)
 
@@ -483,7 +487,7 @@ def _trainer(ctx: _Context, job: _Start, candidates: list[int]) -> _LoopState:
                    step_fn=rl_step.fn, batch_sh=batch_shardings(rl_step.batch, mesh),
                    probe_sh=None if rl_step.probe is None else batch_shardings(rl_step.probe, mesh), mine=mine,
                    data_iter=data_iter, ref_logprobs=ref_logprobs, engine=engine, pipeline=pipeline,
-                   greedy=greedy, start=start)
+                   make_engine=lambda st: _rollout_engine(ctx, trainer, job, st, rest), greedy=greedy, start=start)
     _resume_or_evaluate(ctx, t, restored)
     return t
 
@@ -652,11 +656,12 @@ def _admit(ctx: _Context, t: _LoopState, batch: Batch, step: int, base_key: jax.
     return batch, cap, metrics
 
 
-def _train_and_publish(run: RunConfig, t: _LoopState, scored: _Scored, step: int, tis_cap: float | None = None
+def _train_and_publish(ctx: _Context, t: _LoopState, scored: _Scored, step: int, tis_cap: float | None = None
                        ) -> dict[str, float]:
     """The jitted train step on the scored rollout (KL reference and KL probe as configured), then the engine
     brought to the new weights; the step's metrics with the sync's. The engine releases its copy of the weights
     first (the colocated engine's bf16 copy need not sit beside the train step's peak; publish rebuilds it)."""
+    run = ctx.run
     t.engine.release()
     repaired = t.pipeline.repair_if_needed(t.state.params)  # before the step takes the weights
     batch = _rl_batch(scored.rollout, scored.advantages, tis_cap)
@@ -675,12 +680,49 @@ def _train_and_publish(run: RunConfig, t: _LoopState, scored: _Scored, step: int
     # Wait for the step (its metrics) before timing the sync, so that sync_time is the sync's own.
     out = {k: float(v) for k, v in jax.device_get(out).items()}
     applied = not (out.get("kl_refused") or out.get("kl_undone"))
-    report = t.pipeline.publish(updates, t.state.params, out.get("kl_predicted", 0.0) if applied else 0.0)
-    reports = [r for r in (repaired, report) if r is not None] + t.pipeline.reports()
+    try:
+        report = t.pipeline.publish(updates, t.state.params, out.get("kl_predicted", 0.0) if applied else 0.0)
+        delivered = t.pipeline.reports()
+    except WorkerError as error:  # a new engine starts from these weights: the update needs no sending
+        _restart_engine(ctx, t, step, error)
+        report, delivered = None, []
+    reports = [r for r in (repaired, report) if r is not None] + delivered
     if reports:  # a pipelined run's deliveries come later: those done by now
         out.update(sync_bytes=float(sum(r.nbytes for r in reports)), sync_time=sum(r.seconds for r in reports))
-    out["sync_resyncs"] = float(t.engine.resyncs)
+    out.update(sync_resyncs=float(t.engine.resyncs), engine_restarts=float(t.engine_failures))
     return out
+
+
+def _restart_engine(ctx: _Context, t: _LoopState, step: int, error: WorkerError) -> None:
+    """After the engine failed (its process died, or a request failed): a new one from the trainer's weights,
+    and the batches it had not delivered asked again; after rollout.engine_restarts restarts, stop.
+
+    Raises:
+      WorkerError: one failure more than rollout.engine_restarts (the message names the engine and its output).
+    """
+    t.engine_failures += 1
+    limit = ctx.run.rollout.engine_restarts
+    if t.engine_failures > limit:
+        raise WorkerError(f"RL step {step + 1}: the rollout engine failed {t.engine_failures} times "
+                          f"(config.rollout.engine_restarts = {limit}); the last failure: {error}") from error
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    ctx.log(f"RL step {step + 1}: the rollout engine failed ({first}); restarting it from the trainer's weights "
+            f"(restart {t.engine_failures} of at most {limit})")
+    with contextlib.suppress(Exception):
+        t.engine.close()
+    t.engine = _closes(ctx.opened, t.make_engine(t.state))
+    again = t.pipeline.restart(t.engine)
+    ctx.log(f"RL step {step + 1}: the new engine holds the weights of version {t.pipeline.version}; {again} "
+            "batch(es) asked again")
+
+
+def _retrying(ctx: _Context, t: _LoopState, step: int, fn: Callable[[], _T]) -> _T:
+    """fn() (a call that waits for the engine), the engine restarted and fn called again whenever it fails."""
+    while True:
+        try:
+            return fn()
+        except WorkerError as error:
+            _restart_engine(ctx, t, step, error)
 
 
 def _rollout_metrics(run: RunConfig, t: _LoopState, scored: _Scored, reward_cfg: RewardConfig) -> dict[str, float]:
@@ -750,13 +792,13 @@ def _rl_loop(ctx: _Context, t: _LoopState) -> None:
     for step in range(start, run.train.steps):
         t0 = time.perf_counter()
         _request(ctx, t, step, base_key)  # this step's batch (already asked for when pipelined)
-        batch, waited = t.pipeline.pop(step)
-        batch, tis_cap, staleness = _admit(ctx, t, batch, step, base_key)
+        popped, waited = _retrying(ctx, t, step, functools.partial(t.pipeline.pop, step))
+        batch, tis_cap, staleness = _retrying(ctx, t, step, functools.partial(_admit, ctx, t, popped, step, base_key))
         _request(ctx, t, step + depth, base_key)  # the engine generates ahead while the trainer trains
         t.pipeline.forget_kl_before(min([b.version for b in t.pipeline.pending], default=t.pipeline.version))
         scored = _score(ctx, t, batch, reward_cfg)
         t_rollout = time.perf_counter() - t0
-        out = _train_and_publish(run, t, scored, step, tis_cap)
+        out = _train_and_publish(ctx, t, scored, step, tis_cap)
         out.update(_rollout_metrics(run, t, scored, reward_cfg), rollout_time=t_rollout, rollout_wait=waited,
                    step_time=time.perf_counter() - t0, **staleness, **metrics_lib.memory_stats())
         refusals = _guard(out, step, refusals, log)

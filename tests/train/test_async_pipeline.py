@@ -5,6 +5,8 @@ kill resumed bit for bit (the batches in flight saved with the checkpoint), and 
 regenerating or clipping a batch over it."""
 
 import math
+import os
+import signal
 import time
 
 import pytest
@@ -13,6 +15,7 @@ import logra_jax.job.pipeline as pipeline_mod
 import logra_jax.job.train as train_mod
 from logra_jax.job.run_config import RunConfig
 from logra_jax.job.train import train_and_evaluate
+from logra_jax.rollout.process import WorkerError
 
 STEPS = 5
 
@@ -25,7 +28,7 @@ def _digit_fraction(response, problem):
 
 def _config(tiny_config, **rollout):
     return tiny_config(optimizer={"kl_control": True, "probe_responses": 2, "kl_budget": 1e-3},
-                       rollout={"workers": 1, **rollout}, train={"steps": STEPS, "checkpoint_every": 2})
+                       rollout={"engine_devices": 1, **rollout}, train={"steps": STEPS, "checkpoint_every": 2})
 
 
 def _steps(read_metrics, workdir):
@@ -34,6 +37,29 @@ def _steps(read_metrics, workdir):
 
 class _Crash(RuntimeError):
     pass
+
+
+@pytest.mark.slow
+def test_an_engine_on_devices_of_its_own_reproduces_the_colocated_run(tmp_path, monkeypatch, tiny_config,
+                                                                      read_metrics):
+    """rollout.engine_devices = 2: the trainer on 2 of the 8 devices, the engine on the last 2, fed device to
+    device by low-rank sync; synchronous (max_staleness 0), the run is the colocated engine's on the trainer's 2
+    devices bit for bit (the engine's weights are what the trainer's round to: tests/rollout/test_device_engine.py)."""
+    config = tiny_config(optimizer={"kl_control": True, "probe_responses": 2}, train={"steps": 3, "mesh_fsdp": 2})
+    train_and_evaluate(config, tmp_path / "colocated", reward_fn=_digit_fraction)
+    config["rollout"] = {**config["rollout"], "engine_devices": 2}
+    real, placed = train_mod.rollout_engine, []
+
+    def recorded(*args, **kwargs):
+        placed.append(({d.id for d in args[3].devices.flat}, {d.id for d in kwargs["engine_devices"]}))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "rollout_engine", recorded)
+    train_and_evaluate(config, tmp_path / "own", reward_fn=_digit_fraction)
+    assert placed == [({0, 1}, {6, 7})]  # the trainer's mesh, the engine's devices
+    own = read_metrics(tmp_path / "own")
+    assert own == read_metrics(tmp_path / "colocated")
+    assert len(_steps(read_metrics, tmp_path / "own")) == 3
 
 
 @pytest.mark.slow
@@ -113,3 +139,55 @@ def test_pipeline_fields_are_validated_naming_them():
         RunConfig.from_dict({"rollout": {"engine_devices": 2, "workers": 1}})
     with pytest.raises(ValueError, match=r"rollout\.engine_cpus.*workers=1"):
         RunConfig.from_dict({"rollout": {"engine_cpus": "0"}})
+
+
+def _killing_engines(monkeypatch, kill_at):
+    """train.rollout_engine whose engines' processes are killed (SIGKILL) just before the generate calls numbered
+    in `kill_at` (counted over every engine of the run, the held-out evaluation's included)."""
+    real, calls = train_mod.rollout_engine, []
+
+    def engine_that_dies(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        generate = engine.generate
+
+        def generate_or_die(*a, **k):
+            calls.append(len(calls) + 1)
+            if calls[-1] in kill_at:
+                os.kill(engine.transport.pid, signal.SIGKILL)
+            return generate(*a, **k)
+
+        engine.generate = generate_or_die
+        return engine
+
+    monkeypatch.setattr(train_mod, "rollout_engine", engine_that_dies)
+
+
+@pytest.mark.slow
+def test_a_killed_engine_process_is_restarted_and_the_run_unchanged(tmp_path, monkeypatch, tiny_config,
+                                                                     read_metrics):
+    """The worker process killed while step 2 asks for its batch: the engine is restarted from the trainer's
+    weights and the batch asked again, logged; the synchronous run's metrics are the uninterrupted run's."""
+    config = tiny_config(rollout={"workers": 1}, train={"steps": 3})
+    train_and_evaluate(config, tmp_path / "straight", reward_fn=_digit_fraction)
+    _killing_engines(monkeypatch, kill_at={3})  # 1: evaluation before RL, 2: step 1, 3: step 2
+    train_and_evaluate(config, tmp_path / "killed", reward_fn=_digit_fraction)
+    log = (tmp_path / "killed" / "log.txt").read_text()
+    assert "RL step 2: the rollout engine failed (rollout worker 'generate' request failed" in log
+    assert "restart 1 of at most 3" in log and "1 batch(es) asked again" in log
+    killed = read_metrics(tmp_path / "killed")
+    assert [r.pop("engine_restarts", None) for r in killed] == [None, 0, 1, 1, None]
+    assert killed == [{k: v for k, v in r.items() if k != "engine_restarts"}
+                      for r in read_metrics(tmp_path / "straight")]
+
+
+@pytest.mark.slow
+def test_an_engine_failing_past_its_restarts_stops_the_run_naming_it(tmp_path, monkeypatch, tiny_config):
+    """Pipelined (one step off), the engine killed twice with rollout.engine_restarts = 1: the first failure is
+    survived (the lost batch asked again of a new engine), the second stops the run naming the engine, the count
+    and the engine's output."""
+    config = tiny_config(rollout={"workers": 1, "max_staleness": 1, "engine_restarts": 1}, train={"steps": 4})
+    _killing_engines(monkeypatch, kill_at={2, 5})
+    with pytest.raises(WorkerError, match=r"(?s)failed 2 times \(config\.rollout\.engine_restarts = 1\).*"
+                                          r"rollout worker 'generate' request failed"):
+        train_and_evaluate(config, tmp_path, reward_fn=_digit_fraction)
+    assert "restart 1 of at most 1" in (tmp_path / "log.txt").read_text()
