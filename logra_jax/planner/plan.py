@@ -19,11 +19,19 @@ fake XLA:CPU devices for cpu:N). A phase's per-device bytes are its program's (a
   policy sync   the engine's publish: the trainer's weights cast and resharded into the decode layout, beside the
                 train state and the reference (the engine drops its previous copy first)
   evaluation    the engine's greedy decoding of prompts_per_step × num_samples held-out prompts
+With rollout.engine_devices = k (the engine on the last k of the n devices, `placement_meshes`) the trainer's
+phases (start, warm start, trainer init, KL reference, train step) are planned on the other n − k and the engine's
+(rollout, evaluation) on a decode mesh of the k, as the engine there holds the weights (`SplitEngine`: the
+trainer's masters in its weight dtype, decoded from as they are), with no train state beside them and no engine
+copy beside the train step; the policy sync is then the low-rank payload moved to the engine and merged into its
+masters there (`rl_step_time`: the sequential and the pipelined step).
 The largest is named. Exit status 0 when every phase fits the HBM (`--hbm_gib`, default the target's per-device
 HBM), 3 when one does not (naming it and what to change), 2 for bad flags, 1 for other errors. A phase that the
 TPU compiler refuses for memory is reported with the bytes the compiler asked for.
 Not counted: the host (a checkpoint is read one layer's slice of one parameter at a time), the rollout
-worker process of rollout.workers = 1 (its own devices), the framework's own reservations on the device.
+worker process of rollout.workers = 1 (its own devices), the framework's own reservations on the device; on the
+split placement the payload's JSON header and the weight fingerprints both ends take per update (one read of the
+weights each).
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ class PhaseBytes:
     # the compiler refused it.
     time: dict[str, Any] | None = None
     per_decode_step: dict[str, Any] | None = None  # the engine's phases: one decode step over every slot
+    devices: int = 0  # the devices its programs run on (the trainer's mesh, or the engine's)
 
     @property
     def total(self) -> int:
@@ -169,6 +178,54 @@ def planning_config(config: Mapping[str, Any]) -> Any:
     return RunConfig.from_dict(d)
 
 
+def placement_meshes(run: Any, devices: Collection[Any]) -> tuple[Any, Any]:
+    """(the trainer's mesh, the engine's devices as a mesh, or None) of `run` over `devices`: colocated
+    (rollout.engine_devices = 0) the job's mesh over all of them (`phases.job_mesh`); with engine_devices = k the
+    trainer's mesh over the first n − k (train.mesh_* as the job reads them, a -1 axis taking what is left) and the
+    last k for the engine (its decode mesh is `SplitEngine`'s).
+
+    Raises:
+      ValueError: k ≥ n (no device left for the trainer), or train.mesh_* that do not fit the n − k (named).
+    """
+    from logra_jax.job.phases import job_mesh
+    from logra_jax.parallel.sharding import MeshConfig, make_mesh
+
+    devices, k = list(devices), run.rollout.engine_devices
+    if not k:
+        return job_mesh(run.train, devices), None
+    if k >= len(devices):
+        raise ValueError(f"config.rollout.engine_devices = {k} leaves none of the {len(devices)} devices to the "
+                         f"trainer: it must be below {len(devices)}")
+    return job_mesh(run.train, devices[:len(devices) - k]), make_mesh(MeshConfig(fsdp=k), devices[len(devices) - k:])
+
+
+@dataclasses.dataclass
+class SplitEngine:
+    """The engine on devices of its own (rollout.engine_devices = k), as `logra_jax.rollout.worker`'s
+    `InProcessTransport` holds it: its `RolloutWeights` are the trainer's model state in the trainer's dtypes (the
+    matrices in optimizer.weight_dtype: masters kept bitwise equal to the trainer's by the low-rank payloads),
+    sharded in the decode layout (data = k / t, fsdp = 1, tensor = t) over the k devices, and its sampler decodes
+    from them as they are (the decoder casts each matrix to the compute dtype at its use): no compute-dtype copy.
+    The attributes `_engine_phase` reads of a `DecodeLayout` (mesh, graphdef, tensor, config) and the state.
+
+    Args:
+      model_config: the trainer's model config (its param_dtype is the trainer's weight dtype).
+      devices_mesh: a mesh over the engine's k devices (`placement_meshes`).
+      tensor: t (rollout.decode_tensor; 0: `default_decode_tensor` of the k devices).
+    """
+
+    def __init__(self, model_config: Any, devices_mesh: Any, tensor: int = 0):
+        from logra_jax.models.decoder import abstract_model
+        from logra_jax.parallel.sharding import abstract_sharded, param_shardings
+        from logra_jax.rollout.engine import decode_mesh, default_decode_tensor
+
+        self.config = model_config
+        self.tensor = tensor or default_decode_tensor(model_config, devices_mesh)
+        self.mesh = decode_mesh(devices_mesh, self.tensor)
+        self.graphdef, state = nnx.split(abstract_model(model_config))
+        self.abstract = abstract_sharded(state, param_shardings(state, self.mesh))
+
+
 @dataclasses.dataclass
 class _Job:
     """The objects the job builds, abstract and sharded, that every phase's plan reads: the model and trainer, the
@@ -192,6 +249,11 @@ class _Job:
     engine_shared: int
     info: Any = None  # the target's TargetInfo (chip figures for the time on paper)
 
+    @property
+    def split(self) -> bool:
+        """The engine on devices of its own (rollout.engine_devices > 0): nothing of the trainer's beside it."""
+        return isinstance(self.layout, SplitEngine)
+
     def alive(self, *names: str) -> int:
         """Per-device bytes of what the job keeps: "state" (train state + the model's other state), "ref" (the KL
         reference), "engine" (the engine's own copies, not the trainer leaves it shares)."""
@@ -200,7 +262,8 @@ class _Job:
         return sum(sizes[n] for n in names)
 
 
-def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None, info: Any) -> _Job:
+def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None, info: Any,
+         engine_mesh: Any = None) -> _Job:
     from logra_jax.job.builders import build_model
     from logra_jax.job.phases import Trainer
     from logra_jax.parallel.sharding import abstract_sharded, param_shardings
@@ -219,7 +282,10 @@ def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, An
     ref = state.params if run.algorithm.kl_beta > 0 else None
     layout = engine = None
     copied = shared_bytes = 0
-    if run.rollout.workers == 0:  # the colocated engine, in its decode layout, built from the trainer's model
+    if engine_mesh is not None:  # the engine on devices of its own: the trainer's masters there, nothing shared
+        layout = SplitEngine(trainer.model().config, engine_mesh, run.rollout.decode_tensor)
+        engine = layout.abstract
+    elif run.rollout.workers == 0:  # the colocated engine, in its decode layout, built from the trainer's model
         layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor, run.rollout.per_layer)
         shared, to_copy = layout.split({**flat_params(trainer_rest), **flat_params(state.params)})
         engine = layout.abstract
@@ -237,12 +303,12 @@ def _prompts(job: _Job, rows: int, mesh: Any) -> tuple[Any, Any]:
 
 
 def _timed(job: _Job, name: str, compiled_result: tuple[dict[str, int], str, Any], others: int, note: str,
-           runs: float = 1.0) -> PhaseBytes:
+           runs: float = 1.0, mesh: Any = None) -> PhaseBytes:
     """A phase of one program (`compiled_bytes`' result) with its time on paper (floor: its arguments and outputs
     touched once), `runs` times per run of the phase."""
     program, refused, compiled = compiled_result
     time = None if compiled is None else program_time(compiled, job.info, _io_bytes(program), runs)
-    return PhaseBytes(name, program, others, note, refused, time)
+    return PhaseBytes(name, program, others, note, refused, time, devices=(mesh or job.mesh).devices.size)
 
 
 def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int, note: str) -> PhaseBytes:
@@ -261,11 +327,14 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     key = jax.eval_shape(lambda: jax.random.key(0))
     rows = prompts * sampling.num_samples
     S, K = slots_lib.num_slots(sampling, rows), slots_lib.prefill_lanes(sampling, prompts, rows)
-    note = f"{note}, {S} slots; engine weights (decode layout, tensor {job.layout.tensor}) + KV cache"
+    held = (f"the trainer's {job.layout.config.param_dtype} masters (decode layout over the engine's "
+            f"{mesh.devices.size} devices, tensor {job.layout.tensor})" if job.split else
+            f"engine weights (decode layout, tensor {job.layout.tensor})")
+    note = f"{note}, {S} slots; {held} + KV cache"
     largest, refused, compiled = compiled_bytes(slots_lib.start, graphdef, state, prompt_arr, mask, config=sampling,
                                                 num_slots=S, mesh=mesh)
     if compiled is None:
-        return PhaseBytes(name, largest, others, note, refused)
+        return PhaseBytes(name, largest, others, note, refused, devices=mesh.devices.size)
     out = jax.eval_shape(lambda s, p, m: slots_lib.start(graphdef, s, p, m, config=sampling, num_slots=S, mesh=mesh),
                          state, prompt_arr, mask)
     slots, packed, packed_mask = abstract_sharded(out, compiled.output_shardings)
@@ -274,13 +343,13 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
                                                    lane(K), lane(S), lane(S), lane(S), config=sampling, mesh=mesh)
     largest = max(largest, refill_bytes, key=lambda b: b["total"])
     if refused:
-        return PhaseBytes(name, largest, others, note, refused)
+        return PhaseBytes(name, largest, others, note, refused, devices=mesh.devices.size)
     decode_bytes, refused, decode = compiled_bytes(slots_lib.decode_program(slots), graphdef, state, slots, key,
                                                    config=sampling, bucket=job.prompt_len + sampling.max_new_tokens,
                                                    mesh=mesh)
     largest = max(largest, decode_bytes, key=lambda b: b["total"])
     if refused:
-        return PhaseBytes(name, largest, others, note, refused)
+        return PhaseBytes(name, largest, others, note, refused, devices=mesh.devices.size)
     floor = decode_floor(graphdef, state, _global_bytes((slots.cache.k, slots.cache.v)), S, mesh.devices.size)
     step = {**program_time(decode, job.info, floor["floor_bytes"], loop_iterations=sampling.decode_steps), **floor}
     waves = -(-rows // S)
@@ -288,7 +357,7 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     decode_steps = waves * sampling.max_new_tokens
     time = {**_summed_times([(step, decode_steps), (prefill, 1)]), "runs": 1, "decode_steps": decode_steps,
             "refills": waves}
-    return PhaseBytes(name, largest, others, note, "", time, step)
+    return PhaseBytes(name, largest, others, note, "", time, step, mesh.devices.size)
 
 
 def expected_experts(num_experts: int, k: int, tokens: int) -> float:
@@ -389,12 +458,21 @@ def _phase_trainer_init(job: _Job) -> PhaseBytes:
                   f"{job.run.optimizer.name} state from the donated weights")
 
 
+def _beside_engine(job: _Job) -> int:
+    """What the job keeps beside the engine's programs on their devices: colocated, the train state and the
+    reference less the leaves the engine shares; on devices of its own, nothing."""
+    return 0 if job.split else job.alive("state", "ref") - job.engine_shared
+
+
+def _engine_away(job: _Job) -> str:
+    return "the engine on devices of its own" if job.split else "the engine has released its copy"
+
+
 def _phase_rollout(job: _Job) -> PhaseBytes:
     run = job.run
     sampling = run.rollout.sampling(eos_id=0, pad_id=0)
     rows = run.rollout.prompts_per_step * sampling.num_samples
-    return _engine_phase(job, "rollout", sampling, run.rollout.prompts_per_step,
-                         job.alive("state", "ref") - job.engine_shared,
+    return _engine_phase(job, "rollout", sampling, run.rollout.prompts_per_step, _beside_engine(job),
                          f"{rows} responses of ≤ {run.rollout.max_new_tokens} tokens")
 
 
@@ -408,28 +486,104 @@ def _phase_kl_reference(job: _Job) -> PhaseBytes:
             if k in ("tokens", "attention_mask")}
     result = compiled_bytes(ref_fn, job.ref, job.trainer_rest, abstract_sharded(rows, batch_shardings(rows, mesh)))
     return _timed(job, "KL reference", result, job.alive("state"),
-                  "the reference policy's log-probs (the engine has released its copy)")
+                  f"the reference policy's log-probs ({_engine_away(job)})")
+
+
+def _train_step(job: _Job) -> tuple[Any, tuple[Any, ...], Any]:
+    """(the job's jitted RL step, its abstract sharded arguments, the KL probe's shapes or None)."""
+    from logra_jax.parallel.sharding import abstract_sharded, batch_shardings
+
+    step_fn, batch, probe = job.trainer.rl_step(job.run, job.mesh, job.prompt_len)
+    sharded = lambda tree: None if tree is None else abstract_sharded(tree, batch_shardings(tree, job.mesh))
+    return step_fn, (job.state, job.trainer_rest, sharded(batch), sharded(probe)), probe
 
 
 def _phase_train_step(job: _Job) -> PhaseBytes:
-    from logra_jax.parallel.sharding import abstract_sharded, batch_shardings
-
-    run, mesh = job.run, job.mesh
-    step_fn, batch, probe = job.trainer.rl_step(run, mesh, job.prompt_len)
-    result = compiled_bytes(step_fn, job.state, job.trainer_rest, abstract_sharded(batch, batch_shardings(batch, mesh)),
-                            None if probe is None else abstract_sharded(probe, batch_shardings(probe, mesh)))
+    run = job.run
+    step_fn, args, probe = _train_step(job)
+    result = compiled_bytes(step_fn, *args)
     probe_note = f", KL probe of {run.optimizer.probe_responses} responses" if probe is not None else ""
     rows = run.rollout.prompts_per_step * run.rollout.num_samples
     return _timed(job, "train step", result, job.alive("ref"),
-                  f"{rows} sequences in {run.train.microbatches} microbatches{probe_note} (the engine has released "
-                  "its copy)")
+                  f"{rows} sequences in {run.train.microbatches} microbatches{probe_note} ({_engine_away(job)})")
+
+
+def _flat_updates(updates: Any) -> dict[str, Any]:
+    """{path: leaf} of an update tree, a LowRankUpdate (or None, optax.MaskedNode) one leaf."""
+    import optax
+
+    from logra_jax.core.tree_paths import path_str
+    from logra_jax.optim.lowrank import is_lowrank
+
+    leaves = jax.tree_util.tree_leaves_with_path(
+        updates, is_leaf=lambda x: x is None or is_lowrank(x) or isinstance(x, optax.MaskedNode))
+    return {path_str(k): v for k, v in leaves}
+
+
+def payload_bytes(updates: Any, dense: Collection[str] = ()) -> int:
+    """Bytes of the arrays of one update's delta payload (`logra_jax.rollout.sync.delta_payload`): each low-rank
+    factor as it ships (bfloat16 when its spec rounds to bf16, else float32) and its decay scalar, and the dense
+    update of each path in `dense` (the trained non-targets); the JSON header (targets' metadata, fingerprints)
+    is not counted.
+
+    Args:
+      updates: the update tree the train step returns (arrays or ShapeDtypeStructs; LowRankUpdate leaves).
+      dense: paths of the non-targets trained densely (`OptimizerPlan.dense_paths`).
+    """
+    from logra_jax.optim.lowrank import is_lowrank
+
+    total = 0
+    for path, u in _flat_updates(updates).items():
+        if is_lowrank(u):
+            total += u.factor.size * (2 if u.spec.round_bf16 else 4) + (0 if u.decay is None else 4)
+        elif path in dense:
+            total += u.size * jnp.dtype(u.dtype).itemsize
+    return total
+
+
+def _phase_split_sync(job: _Job) -> PhaseBytes:
+    """The policy sync of the engine on devices of its own: the update's low-rank payload (`payload_bytes`) moved
+    from the trainer's devices to the engine's, then merged into the engine's masters by the receiver's own
+    program (`RolloutWeights`: `optim.apply_updates` jitted into the masters' shardings, masters donated; the
+    factors as they arrive, whole on every engine device). Its bytes are the merge program's on an engine device
+    (nothing else is alive there between two rollouts); its time the merge's on paper + the transfer's, payload
+    bytes / the target's per-device link bandwidth (`aot.TargetInfo.link_bandwidth`: the whole payload over one
+    device's links, an upper bound where it is spread over several)."""
+    from logra_jax.core.tree_paths import path_str
+    from logra_jax.optim.lowrank import apply_updates, is_lowrank
+    from logra_jax.parallel.sharding import replicated
+
+    step_fn, args, _ = _train_step(job)
+    updates = _flat_updates(jax.eval_shape(step_fn, *args)[2])
+    dense = set(job.trainer.plan.dense_paths(job.state.params))
+    whole = replicated(job.layout.mesh)
+    arrived = lambda u: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), u)
+    shipped = {p: arrived(u) for p, u in updates.items() if is_lowrank(u) or p in dense}
+    tree = jax.tree_util.tree_map_with_path(lambda k, _: shipped.get(path_str(k)), job.engine)
+    masters = jax.tree.map(lambda x: x.sharding, job.engine)
+    result = compiled_bytes(job.jit(apply_updates, donate_argnums=0, out_shardings=masters), job.engine, tree)
+    nbytes = payload_bytes(updates, dense)
+    lowrank = sum(map(is_lowrank, shipped.values()))
+    phase = _timed(job, "policy sync", result, 0, f"the low-rank payload ({nbytes / 2**20:.1f} MiB: {lowrank} "
+                   f"factors, {len(shipped) - lowrank} dense updates) to the engine's devices, merged into its "
+                   "masters there", mesh=job.layout.mesh)
+    if phase.time is not None:
+        link = None if job.info is None else job.info.link_bandwidth
+        transfer = None if link is None else nbytes / link
+        apply = phase.time["est_seconds"]
+        phase.time.update(payload_bytes=nbytes, transfer_seconds=transfer, apply_seconds=apply,
+                          est_seconds=None if apply is None or transfer is None else apply + transfer)
+    return phase
 
 
 def _phase_policy_sync(job: _Job) -> PhaseBytes:
     """The engine's publish: the trainer's weights cast and resharded into the decode layout, group by group (the
     job's own programs, `DecodeLayout.groups` and `.cast`; the engine drops its previous copy first). Its bytes are
     those of the group whose program peaks highest beside the trainer's state, the reference and the engine
-    weights the groups before it built; its time, all the groups'."""
+    weights the groups before it built; its time, all the groups'. The engine on devices of its own:
+    `_phase_split_sync`."""
+    if job.split:
+        return _phase_split_sync(job)
     shared, to_copy = job.layout.split({**flat_params(job.trainer_rest), **flat_params(job.state.params)})
     groups = job.layout.groups(to_copy) or [{}]  # every leaf shared (one device, trainer's dtype): an empty program
     alive, built, worst, times = job.alive("state", "ref"), 0, None, []
@@ -453,7 +607,7 @@ def _phase_evaluation(job: _Job) -> PhaseBytes:
     run = job.run
     rows = run.rollout.prompts_per_step * run.rollout.num_samples
     return _engine_phase(job, "evaluation", run.rollout.sampling(eos_id=0, pad_id=0, greedy=True), rows,
-                         job.alive("state", "ref") - job.engine_shared,
+                         _beside_engine(job),
                          f"greedy decoding of {rows} held-out prompts by the engine")
 
 
@@ -464,20 +618,29 @@ _PHASE_PLANS: dict[str, Callable[[_Job], PhaseBytes]] = {
 
 
 def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mapping[str, Any] | None = None,
-                only: Collection[str] | None = None, info: Any = None,
+                only: Collection[str] | None = None, info: Any = None, engine_mesh: Any = None,
                 progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
     """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
 
     Args:
       run: the RunConfig.
-      mesh: the job's mesh (`phases.job_mesh` over `aot.devices(target)`).
+      mesh: the trainer's mesh (`placement_meshes` over `aot.devices(target)`: colocated, the job's mesh).
       prompt_len: prompt tokens per sequence (the job measures it from its data; the paper's recipe: 512).
       compiler_options: XLA options for every compilation (e.g. `sharding.FAST_CPU_COMPILE` for XLA:CPU).
       only: the names of the phases to compile (default all; `PHASES`).
       info: the target's `aot.TargetInfo` (chip figures for each phase's time on paper; None: bytes only).
+      engine_mesh: with rollout.engine_devices = k, a mesh over the engine's k devices (`placement_meshes`).
       progress: called with each phase's name before it compiles.
+
+    Raises:
+      ValueError: an engine_mesh that is not rollout.engine_devices' (none for k > 0, one for k = 0, or another
+        number of devices).
     """
-    job = _job(run, mesh, prompt_len, compiler_options, info)
+    k = run.rollout.engine_devices
+    if (engine_mesh is None) != (k == 0) or (engine_mesh is not None and engine_mesh.devices.size != k):
+        raise ValueError(f"plan_phases: config.rollout.engine_devices = {k} needs an engine_mesh of {k} devices "
+                         f"(`placement_meshes`), got {None if engine_mesh is None else engine_mesh.devices.size}")
+    job = _job(run, mesh, prompt_len, compiler_options, info, engine_mesh)
     applies = {"warm start": bool(run.sft.steps), "KL reference": job.ref is not None,
                "rollout": job.layout is not None, "policy sync": job.layout is not None,
                "evaluation": job.layout is not None}
@@ -529,18 +692,78 @@ ADVICE = {
 
 
 def rl_step_time(phases: list[PhaseBytes], run: Any) -> dict[str, Any] | None:
-    """An RL step's seconds on paper: rollout + KL reference + train step + policy sync (+ an evaluation every
-    train.eval_every steps, spread over them), and the hours for train.steps (+ the warm start); None when the
-    rollout's or the train step's time is unknown (a CPU target, a refused program, a phase not compiled)."""
+    """An RL step's seconds on paper, and the hours for train.steps (+ the warm start); None when the rollout's or
+    the train step's time is unknown (a CPU target, a refused program, a phase not compiled).
+
+    Colocated (rollout.engine_devices = 0): rollout + KL reference + train step + policy sync (+ an evaluation
+    every train.eval_every steps, spread over them), one after the other. With the engine on k devices of its own
+    the step has two sides: the engine's (rollout + the evaluation's share + the policy sync's merge into its
+    masters) and the trainer's (KL reference + train step + the payload's transfer). "sequential" is their sum
+    (rollout.max_staleness = 0: the rollout, then the training); "pipelined" their max (max_staleness ≥ 1: the
+    engine generates batch t + 1 while the trainer trains batch t); "seconds" is the one the config runs.
+
+    Returns:
+      {"seconds", "parts": {name: seconds}, "steps", "hours", "placement": "colocated" | "split",
+      "sequential_seconds", "pipelined_seconds" (None colocated), and split: "engine_seconds", "trainer_seconds",
+      "merge_seconds", "transfer_seconds" (the policy sync's two parts)}.
+    """
     est = {p.name: p.time["est_seconds"] for p in phases if p.time and p.time.get("est_seconds") is not None}
     if "rollout" not in est or "train step" not in est:
         return None
     parts = {name: est[name] for name in ("rollout", "KL reference", "train step", "policy sync") if name in est}
     if run.train.eval_every and "evaluation" in est:
         parts["evaluation"] = est["evaluation"] / run.train.eval_every
-    seconds = sum(parts.values())
-    return {"seconds": seconds, "parts": parts, "steps": run.train.steps,
-            "hours": (run.train.steps * seconds + est.get("warm start", 0.0)) / 3600}
+    sequential = sum(parts.values())
+    out = {"placement": "colocated", "parts": parts, "steps": run.train.steps, "sequential_seconds": sequential,
+           "pipelined_seconds": None}
+    if run.rollout.engine_devices:
+        sync = next((p.time for p in phases if p.name == "policy sync" and "policy sync" in est), {})
+        merge, transfer = sync.get("apply_seconds", 0.0), sync.get("transfer_seconds", 0.0)
+        engine = parts["rollout"] + parts.get("evaluation", 0.0) + merge
+        trainer = parts.get("KL reference", 0.0) + parts["train step"] + transfer
+        out.update(placement="split", engine_seconds=engine, trainer_seconds=trainer, merge_seconds=merge,
+                   transfer_seconds=transfer, pipelined_seconds=max(engine, trainer))
+    out["seconds"] = out["pipelined_seconds"] if run.rollout.max_staleness else sequential
+    out["hours"] = (run.train.steps * out["seconds"] + est.get("warm start", 0.0)) / 3600
+    return out
+
+
+def best_split(candidates: Mapping[int, tuple[bool, dict[str, Any] | None]]) -> int | None:
+    """The engine's device count k whose pipelined RL step is the shortest among the candidates that fit (ties:
+    the smaller k); None when none fits, or none of those that fit has a time on paper (a CPU target).
+
+    Args:
+      candidates: {k: (every phase of the placement fits, its `rl_step_time` or None)}.
+
+    Example:
+      >>> best_split({2: (True, {"pipelined_seconds": 9.0}), 4: (False, {"pipelined_seconds": 5.0}),
+      ...             6: (True, {"pipelined_seconds": 7.0})})
+      6
+    """
+    timed = [(step["pipelined_seconds"], k) for k, (fits, step) in candidates.items()
+             if fits and step and step.get("pipelined_seconds") is not None]
+    return min(timed)[1] if timed else None
+
+
+def step_line(step: dict[str, Any], run: Any) -> str:
+    """`rl_step_time`'s result as the plan prints it."""
+    if step["placement"] == "colocated":
+        parts = " + ".join(f"{name} {_seconds(sec)}" for name, sec in step["parts"].items())
+        return (f"RL step on paper: {_seconds(step['seconds'])} ({parts}); {step['steps']} steps ≈ "
+                f"{step['hours']:.1f} h")
+    parts = step["parts"]
+    sync = parts.get("policy sync")
+    return (f"RL step on paper, the engine on {run.rollout.engine_devices} devices of its own: engine "
+            f"{_seconds(step['engine_seconds'])} (rollout {_seconds(parts['rollout'])}"
+            + (f" + evaluation {_seconds(parts['evaluation'])}" if "evaluation" in parts else "")
+            + (f" + sync merge {_seconds(step['merge_seconds'])}" if sync is not None else "")
+            + f"), trainer {_seconds(step['trainer_seconds'])}"
+            + (f" (KL reference {_seconds(parts['KL reference'])} +" if "KL reference" in parts else " (")
+            + f" train step {_seconds(parts['train step'])}"
+            + (f" + payload transfer {_seconds(step['transfer_seconds'])}" if sync is not None else "")
+            + f"); sequential {_seconds(step['sequential_seconds'])}, pipelined "
+            f"{_seconds(step['pipelined_seconds'])}; rollout.max_staleness = {run.rollout.max_staleness}: "
+            f"{step['steps']} steps ≈ {step['hours']:.1f} h")
 
 
 def _seconds(value: float | None) -> str:
@@ -576,9 +799,7 @@ def report(phases: list[PhaseBytes], hbm: int, run: Any = None) -> tuple[str, in
                             f"; counted {d['counted_hbm_bytes'] / 1e9:.3f} GB, below the floor: clamped"))
     step = None if run is None else rl_step_time(phases, run)
     if step:
-        parts = " + ".join(f"{name} {_seconds(sec)}" for name, sec in step["parts"].items())
-        lines.append(f"RL step on paper: {_seconds(step['seconds'])} ({parts}); {step['steps']} steps ≈ "
-                     f"{step['hours']:.1f} h")
+        lines.append(step_line(step, run))
     peak = max(phases, key=lambda p: p.total)
     lines.append(f"largest: {peak.name} ({peak.total / GIB:.2f} GiB per device)")
     over = [p for p in phases if p.total > hbm]
