@@ -89,6 +89,24 @@ FIELD_MEANINGS: dict[str, str] = {
                              "every decode step), `stacked` (the trainer's stacks, shared with the trainer where "
                              "dtype and layout match: no second copy of the weights) or `auto` (per_layer on GPUs, "
                              "stacked elsewhere).",
+    "rollout.engine_devices": "k > 0: our JAX engine runs in the trainer's process on the last k devices, a mesh of "
+                              "its own (decode layout), fed device to device by low-rank policy sync; the trainer's "
+                              "mesh takes the other devices. 0: the colocated engine on the trainer's devices.",
+    "rollout.max_staleness": "0: rollout, then training, in sequence. k ≥ 1: the engine generates the next k batches "
+                             "while the trainer trains, each trained k policy versions after the one that generated "
+                             "it (needs an engine on devices of its own: `engine_devices`, `workers = 1` or vLLM).",
+    "rollout.max_stale_kl": "A batch is trained only while the predicted KL of the updates since its policy version "
+                            "(the sum of the controller's predictions) is within this budget; 0 = no bound. Needs "
+                            "`optimizer.kl_control` and `max_staleness ≥ 1`.",
+    "rollout.stale_action": "What happens to a batch over `max_stale_kl`: `regenerate` (with the current policy) or "
+                            "`clip` (trained with its importance weights capped at `stale_tis_cap`).",
+    "rollout.stale_tis_cap": "The cap of a stale batch's importance weights under `stale_action = \"clip\"` "
+                             "(below `algorithm.tis_cap`: clipped harder).",
+    "rollout.engine_cpus": "The CPUs the worker process of `workers = 1` (and every thread it starts) runs on, as "
+                           "taskset's list (`\"1\"`, `\"2-3\"`); empty: this process's.",
+    "rollout.engine_restarts": "How many times an engine process that dies or fails a request is restarted from the "
+                               "trainer's weights (the batches it lost asked again; the synchronous loop's result "
+                               "unchanged) before the run stops naming the engine and its last output.",
     "rollout.workers": "0: the rollout engine runs in the trainer's process; 1: a separate rollout worker "
                        "process, synchronised with low-rank payloads (method §6).",
     "algorithm.estimator": "Advantage estimator, one of {ESTIMATORS}.",
