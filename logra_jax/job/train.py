@@ -639,8 +639,9 @@ def _admit(ctx: _Context, t: _LoopState, batch: Batch, step: int, base_key: jax.
     (stale_kl_predicted: the batch's as it came, which the budget judged; versions_behind: the trained one's)."""
     run = ctx.run.rollout
     stale_kl = t.pipeline.stale_kl(batch, step)
-    metrics = {"versions_behind": float(step - batch.version), "stale_kl_predicted": stale_kl,
-               "regenerated": 0.0, "stale_clipped": 0.0}
+    metrics = {"versions_behind": float(step - batch.version), "regenerated": 0.0, "stale_clipped": 0.0}
+    if ctx.run.optimizer.kl_control:  # without the controller nothing predicts a step's KL (behaviour_kl: realised)
+        metrics["stale_kl_predicted"] = stale_kl
     over = bool(run.max_stale_kl) and stale_kl > run.max_stale_kl
     cap = None
     if run.max_stale_kl and run.stale_action == "clip":

@@ -141,22 +141,27 @@ def test_pipeline_fields_are_validated_naming_them():
         RunConfig.from_dict({"rollout": {"engine_cpus": "0"}})
 
 
-def _killing_engines(monkeypatch, kill_at):
+def _killing_engines(monkeypatch, kill_at, kill_publish_at=()):
     """train.rollout_engine whose engines' processes are killed (SIGKILL) just before the generate calls numbered
-    in `kill_at` (counted over every engine of the run, the held-out evaluation's included)."""
-    real, calls = train_mod.rollout_engine, []
+    in `kill_at` (counted over every engine of the run, the held-out evaluation's included), and before the
+    publish calls numbered in `kill_publish_at` (one per RL step)."""
+    real, calls = train_mod.rollout_engine, {"generate": 0, "publish": 0}
+
+    def dying(engine, name, at):
+        method = getattr(engine, name)
+
+        def call_or_die(*a, **k):
+            calls[name] += 1
+            if calls[name] in at:
+                os.kill(engine.transport.pid, signal.SIGKILL)
+            return method(*a, **k)
+
+        setattr(engine, name, call_or_die)
 
     def engine_that_dies(*args, **kwargs):
         engine = real(*args, **kwargs)
-        generate = engine.generate
-
-        def generate_or_die(*a, **k):
-            calls.append(len(calls) + 1)
-            if calls[-1] in kill_at:
-                os.kill(engine.transport.pid, signal.SIGKILL)
-            return generate(*a, **k)
-
-        engine.generate = generate_or_die
+        dying(engine, "generate", kill_at)
+        dying(engine, "publish", kill_publish_at)
         return engine
 
     monkeypatch.setattr(train_mod, "rollout_engine", engine_that_dies)
@@ -165,17 +170,20 @@ def _killing_engines(monkeypatch, kill_at):
 @pytest.mark.slow
 def test_a_killed_engine_process_is_restarted_and_the_run_unchanged(tmp_path, monkeypatch, tiny_config,
                                                                      read_metrics):
-    """The worker process killed while step 2 asks for its batch: the engine is restarted from the trainer's
-    weights and the batch asked again, logged; the synchronous run's metrics are the uninterrupted run's."""
+    """The worker process killed while step 2 asks for its batch, and again while step 3's update is synced: each
+    time the engine is restarted from the trainer's weights (the batch asked again; the update already in them),
+    logged; the synchronous run's metrics are the uninterrupted run's."""
     config = tiny_config(rollout={"workers": 1}, train={"steps": 3})
     train_and_evaluate(config, tmp_path / "straight", reward_fn=_digit_fraction)
-    _killing_engines(monkeypatch, kill_at={3})  # 1: evaluation before RL, 2: step 1, 3: step 2
+    _killing_engines(monkeypatch, kill_at={3}, kill_publish_at={3})  # generate 1: evaluation before RL, 2: step 1
     train_and_evaluate(config, tmp_path / "killed", reward_fn=_digit_fraction)
     log = (tmp_path / "killed" / "log.txt").read_text()
     assert "RL step 2: the rollout engine failed (rollout worker 'generate' request failed" in log
     assert "restart 1 of at most 3" in log and "1 batch(es) asked again" in log
+    assert "RL step 3: the rollout engine failed (rollout worker 'sync' request failed" in log
+    assert "restart 2 of at most 3" in log and "0 batch(es) asked again" in log
     killed = read_metrics(tmp_path / "killed")
-    assert [r.pop("engine_restarts", None) for r in killed] == [None, 0, 1, 1, None]
+    assert [r.pop("engine_restarts", None) for r in killed] == [None, 0, 1, 2, None]
     assert killed == [{k: v for k, v in r.items() if k != "engine_restarts"}
                       for r in read_metrics(tmp_path / "straight")]
 
