@@ -199,31 +199,43 @@ def placement_meshes(run: Any, devices: Collection[Any]) -> tuple[Any, Any]:
     return job_mesh(run.train, devices[:len(devices) - k]), make_mesh(MeshConfig(fsdp=k), devices[len(devices) - k:])
 
 
-@dataclasses.dataclass
 class SplitEngine:
     """The engine on devices of its own (rollout.engine_devices = k), as `logra_jax.rollout.worker`'s
     `InProcessTransport` holds it: its `RolloutWeights` are the trainer's model state in the trainer's dtypes (the
     matrices in optimizer.weight_dtype: masters kept bitwise equal to the trainer's by the low-rank payloads),
     sharded in the decode layout (data = k / t, fsdp = 1, tensor = t) over the k devices, and its sampler decodes
     from them as they are (the decoder casts each matrix to the compute dtype at its use): no compute-dtype copy.
-    The attributes `_engine_phase` reads of a `DecodeLayout` (mesh, graphdef, tensor, config) and the state.
+    With `decode_copy` (a what-if the transport does not do today) it also keeps the matrices in the compute dtype
+    (`rollout.engine.decode_config`, layers stacked), rebuilt from the masters after each merge, and decodes from
+    those. The attributes `_engine_phase` reads of a `DecodeLayout` (mesh, graphdef, tensor, config), the state
+    it decodes from (`abstract`), the masters and the bytes per device the masters add beside the copy (`beside`).
 
     Args:
       model_config: the trainer's model config (its param_dtype is the trainer's weight dtype).
       devices_mesh: a mesh over the engine's k devices (`placement_meshes`).
       tensor: t (rollout.decode_tensor; 0: `default_decode_tensor` of the k devices).
+      decode_copy: also keep a compute-dtype copy to decode from.
     """
 
-    def __init__(self, model_config: Any, devices_mesh: Any, tensor: int = 0):
+    def __init__(self, model_config: Any, devices_mesh: Any, tensor: int = 0, decode_copy: bool = False):
         from logra_jax.models.decoder import abstract_model
         from logra_jax.parallel.sharding import abstract_sharded, param_shardings
-        from logra_jax.rollout.engine import decode_mesh, default_decode_tensor
+        from logra_jax.rollout.engine import decode_config, decode_mesh, default_decode_tensor
 
-        self.config = model_config
         self.tensor = tensor or default_decode_tensor(model_config, devices_mesh)
         self.mesh = decode_mesh(devices_mesh, self.tensor)
-        self.graphdef, state = nnx.split(abstract_model(model_config))
-        self.abstract = abstract_sharded(state, param_shardings(state, self.mesh))
+        self.decode_copy = decode_copy
+        self.config = decode_config(model_config, per_layer=False) if decode_copy else model_config
+
+        def sharded(config: Any) -> tuple[Any, Any]:
+            graphdef, state = nnx.split(abstract_model(config))
+            return graphdef, abstract_sharded(state, param_shardings(state, self.mesh))
+
+        _, self.masters = sharded(model_config)
+        self.graphdef, self.abstract = sharded(self.config)
+        copy = flat_params(self.abstract)
+        self.beside = sum(device_bytes(x) for p, x in flat_params(self.masters).items()
+                          if copy[p].dtype != x.dtype) if decode_copy else 0
 
 
 @dataclasses.dataclass
@@ -263,7 +275,7 @@ class _Job:
 
 
 def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, Any] | None, info: Any,
-         engine_mesh: Any = None) -> _Job:
+         engine_mesh: Any = None, decode_copy: bool = False) -> _Job:
     from logra_jax.job.builders import build_model
     from logra_jax.job.phases import Trainer
     from logra_jax.parallel.sharding import abstract_sharded, param_shardings
@@ -283,7 +295,7 @@ def _job(run: Any, mesh: Any, prompt_len: int, compiler_options: Mapping[str, An
     layout = engine = None
     copied = shared_bytes = 0
     if engine_mesh is not None:  # the engine on devices of its own: the trainer's masters there, nothing shared
-        layout = SplitEngine(trainer.model().config, engine_mesh, run.rollout.decode_tensor)
+        layout = SplitEngine(trainer.model().config, engine_mesh, run.rollout.decode_tensor, decode_copy)
         engine = layout.abstract
     elif run.rollout.workers == 0:  # the colocated engine, in its decode layout, built from the trainer's model
         layout = DecodeLayout(trainer.model().config, mesh, run.rollout.decode_tensor, run.rollout.per_layer)
@@ -327,9 +339,11 @@ def _engine_phase(job: _Job, name: str, sampling: Any, prompts: int, others: int
     key = jax.eval_shape(lambda: jax.random.key(0))
     rows = prompts * sampling.num_samples
     S, K = slots_lib.num_slots(sampling, rows), slots_lib.prefill_lanes(sampling, prompts, rows)
-    held = (f"the trainer's {job.layout.config.param_dtype} masters (decode layout over the engine's "
-            f"{mesh.devices.size} devices, tensor {job.layout.tensor})" if job.split else
-            f"engine weights (decode layout, tensor {job.layout.tensor})")
+    held = f"engine weights (decode layout, tensor {job.layout.tensor})"
+    if job.split:
+        what = ("its copy in " if job.layout.decode_copy else "the trainer's masters in ")
+        held = (f"{what}{job.layout.config.param_dtype} (decode layout over the engine's {mesh.devices.size} "
+                f"devices, tensor {job.layout.tensor})" + (", the masters beside it" if job.layout.decode_copy else ""))
     note = f"{note}, {S} slots; {held} + KV cache"
     largest, refused, compiled = compiled_bytes(slots_lib.start, graphdef, state, prompt_arr, mask, config=sampling,
                                                 num_slots=S, mesh=mesh)
@@ -460,8 +474,9 @@ def _phase_trainer_init(job: _Job) -> PhaseBytes:
 
 def _beside_engine(job: _Job) -> int:
     """What the job keeps beside the engine's programs on their devices: colocated, the train state and the
-    reference less the leaves the engine shares; on devices of its own, nothing."""
-    return 0 if job.split else job.alive("state", "ref") - job.engine_shared
+    reference less the leaves the engine shares; on devices of its own, nothing of the trainer's (the masters
+    beside a decode copy: `SplitEngine.beside`)."""
+    return job.layout.beside if job.split else job.alive("state", "ref") - job.engine_shared
 
 
 def _engine_away(job: _Job) -> str:
@@ -541,6 +556,10 @@ def payload_bytes(updates: Any, dense: Collection[str] = ()) -> int:
     return total
 
 
+def _shardings(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
 def _phase_split_sync(job: _Job) -> PhaseBytes:
     """The policy sync of the engine on devices of its own: the update's low-rank payload (`payload_bytes`) moved
     from the trainer's devices to the engine's, then merged into the engine's masters by the receiver's own
@@ -548,7 +567,8 @@ def _phase_split_sync(job: _Job) -> PhaseBytes:
     factors as they arrive, whole on every engine device). Its bytes are the merge program's on an engine device
     (nothing else is alive there between two rollouts); its time the merge's on paper + the transfer's, payload
     bytes / the target's per-device link bandwidth (`aot.TargetInfo.link_bandwidth`: the whole payload over one
-    device's links, an upper bound where it is spread over several)."""
+    device's links, an upper bound where it is spread over several). With a decode copy, the cast that rebuilds
+    it from the masters follows the merge (its bytes the larger program's, its time added to the merge's)."""
     from logra_jax.core.tree_paths import path_str
     from logra_jax.optim.lowrank import apply_updates, is_lowrank
     from logra_jax.parallel.sharding import replicated
@@ -559,14 +579,24 @@ def _phase_split_sync(job: _Job) -> PhaseBytes:
     whole = replicated(job.layout.mesh)
     arrived = lambda u: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), u)
     shipped = {p: arrived(u) for p, u in updates.items() if is_lowrank(u) or p in dense}
-    tree = jax.tree_util.tree_map_with_path(lambda k, _: shipped.get(path_str(k)), job.engine)
-    masters = jax.tree.map(lambda x: x.sharding, job.engine)
-    result = compiled_bytes(job.jit(apply_updates, donate_argnums=0, out_shardings=masters), job.engine, tree)
+    masters = job.layout.masters
+    tree = jax.tree_util.tree_map_with_path(lambda k, _: shipped.get(path_str(k)), masters)
+    result = compiled_bytes(job.jit(apply_updates, donate_argnums=0, out_shardings=_shardings(masters)), masters,
+                            tree)
     nbytes = payload_bytes(updates, dense)
     lowrank = sum(map(is_lowrank, shipped.values()))
-    phase = _timed(job, "policy sync", result, 0, f"the low-rank payload ({nbytes / 2**20:.1f} MiB: {lowrank} "
-                   f"factors, {len(shipped) - lowrank} dense updates) to the engine's devices, merged into its "
-                   "masters there", mesh=job.layout.mesh)
+    note = (f"the low-rank payload ({nbytes / 2**20:.1f} MiB: {lowrank} factors, {len(shipped) - lowrank} dense "
+            "updates) to the engine's devices, merged into its masters there")
+    phase = _timed(job, "policy sync", result, 0, note, mesh=job.layout.mesh)
+    if job.layout.decode_copy and not phase.refused:  # then the copy rebuilt from the masters (the old one dropped)
+        copy = job.layout.abstract
+        cast = job.jit(lambda m: jax.tree.map(lambda x, c: x.astype(c.dtype), m, copy), out_shardings=_shardings(copy))
+        recast = _timed(job, "policy sync", compiled_bytes(cast, masters), 0, f"{note}, then cast into its "
+                        f"{job.layout.config.param_dtype} copy", mesh=job.layout.mesh)
+        if recast.time is not None and phase.time is not None:
+            recast.time = {**recast.time, **_summed_times([(phase.time, 1), (recast.time, 1)])}
+        phase = recast if recast.total >= phase.total or recast.refused else dataclasses.replace(
+            phase, note=recast.note, time=recast.time)
     if phase.time is not None:
         link = None if job.info is None else job.info.link_bandwidth
         transfer = None if link is None else nbytes / link
@@ -619,7 +649,8 @@ _PHASE_PLANS: dict[str, Callable[[_Job], PhaseBytes]] = {
 
 def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mapping[str, Any] | None = None,
                 only: Collection[str] | None = None, info: Any = None, engine_mesh: Any = None,
-                progress: Callable[[str], None] = lambda _: None) -> list[PhaseBytes]:
+                engine_decode_copy: bool = False, progress: Callable[[str], None] = lambda _: None
+                ) -> list[PhaseBytes]:
     """Per-device bytes of every phase of `run`'s job on `mesh` (compile-only; see the module docstring).
 
     Args:
@@ -630,17 +661,22 @@ def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mappi
       only: the names of the phases to compile (default all; `PHASES`).
       info: the target's `aot.TargetInfo` (chip figures for each phase's time on paper; None: bytes only).
       engine_mesh: with rollout.engine_devices = k, a mesh over the engine's k devices (`placement_meshes`).
+      engine_decode_copy: the engine on devices of its own also keeps a compute-dtype copy to decode from
+        (`SplitEngine`'s what-if).
       progress: called with each phase's name before it compiles.
 
     Raises:
       ValueError: an engine_mesh that is not rollout.engine_devices' (none for k > 0, one for k = 0, or another
-        number of devices).
+        number of devices), or engine_decode_copy for k = 0.
     """
     k = run.rollout.engine_devices
     if (engine_mesh is None) != (k == 0) or (engine_mesh is not None and engine_mesh.devices.size != k):
         raise ValueError(f"plan_phases: config.rollout.engine_devices = {k} needs an engine_mesh of {k} devices "
                          f"(`placement_meshes`), got {None if engine_mesh is None else engine_mesh.devices.size}")
-    job = _job(run, mesh, prompt_len, compiler_options, info, engine_mesh)
+    if engine_decode_copy and not k:
+        raise ValueError("plan_phases: engine_decode_copy is for an engine on devices of its own: it needs "
+                         "config.rollout.engine_devices > 0")
+    job = _job(run, mesh, prompt_len, compiler_options, info, engine_mesh, engine_decode_copy)
     applies = {"warm start": bool(run.sft.steps), "KL reference": job.ref is not None,
                "rollout": job.layout is not None, "policy sync": job.layout is not None,
                "evaluation": job.layout is not None}

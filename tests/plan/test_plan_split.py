@@ -156,3 +156,26 @@ def test_suggest_split_prints_a_row_per_split(capsys):
     table = out[out.index("split suggestion for cpu:8"):].splitlines()
     assert [row.split()[:2] for row in table[2:6]] == [["0", "8"], ["2", "6"], ["4", "4"], ["6", "2"]], table
     assert "engine on the last 6" in out and "have no time on paper to choose by" in table[-1]
+
+
+@pytest.mark.slow
+def test_a_decode_copy_sits_beside_the_masters(splits):
+    """The what-if engine_decode_copy: the engine on 6 devices decodes from a bfloat16 copy of its float32 masters,
+    so beside its rollout sit the masters' matrices (the float32 norm scales are the copy's own, not held twice),
+    its decode step reads fewer bytes than from the masters, and its sync casts the copy after the merge (more
+    time than the merge alone). Only for an engine on devices of its own."""
+    run = split_run(6)
+    mesh, engine_mesh = plan.placement_meshes(run, jax.devices())
+    phases = {p.name: p for p in plan.plan_phases(run, mesh, prompt_len=8, compiler_options=FAST_CPU_COMPILE,
+                                                  only=("rollout", "policy sync"), info=V5E,
+                                                  engine_mesh=engine_mesh, engine_decode_copy=True)}
+    assert phases["rollout"].others == _by_hand()["matrices"]
+    floor = lambda p: p.per_decode_step["floor_bytes"]
+    assert floor(phases["rollout"]) < floor(splits[6]["rollout"])
+    sync, alone = phases["policy sync"].time, splits[6]["policy sync"].time
+    assert "then cast into its bfloat16 copy" in phases["policy sync"].note
+    assert sync["apply_seconds"] > alone["apply_seconds"]
+    assert sync["est_seconds"] == pytest.approx(sync["apply_seconds"] + sync["transfer_seconds"])
+    colocated, _ = plan.placement_meshes(split_run(0, staleness=0), jax.devices())
+    with pytest.raises(ValueError, match="engine_decode_copy is for an engine on devices of its own"):
+        plan.plan_phases(split_run(0, staleness=0), colocated, prompt_len=8, engine_decode_copy=True)
