@@ -4,7 +4,8 @@ One checkpoint per step, `<directory>/<step>/`, holding four orbax items:
   state   the pytree of arrays (params, optimizer state, step, PRNG keys, ...), orbax StandardSave;
   data    the data-iterator state (a JSON dict, e.g. a grain iterator's `get_state()`);
   extra   any other JSON dict (config, seeds, numbers to carry over);
-  layout  our own record of every state leaf: path, shape, dtype, PRNG implementation and a fingerprint.
+  layout  our own record of every state leaf (path, shape, dtype, PRNG implementation and a fingerprint), the
+          SHA-256 of the data and extra items, and the SHA-256 of the record itself.
 Orbax writes each step into a temporary directory and renames it when complete, so an interrupted save never
 shows up as a step (and its leftover is removed when the next manager opens the directory); it keeps the `keep`
 newest steps.
@@ -17,6 +18,14 @@ and checked after restore:
   c_i = (i · 0x9E3779B1 + 0x7F4A7C15) | 1,   fingerprint = Σ_i c_i w_i  mod 2³².
 Every c_i is odd, hence invertible mod 2³²: a change of any single word always changes the fingerprint. The values
 are stored in the layout item, so that definition is fixed for good (tests/ckpt/test_ckpt_fingerprint.py pins it).
+The JSON items are checked too: a flipped bit in a digit of the data-iterator state still parses, as another
+position in the data. Orbax's own metadata files either fail to parse (named in the error) or, where orbax does
+not use them to read the arrays (commit markers, timestamps), change nothing that is restored.
+
+A full disk (ENOSPC, or a quota: EDQUOT) during a save is reported as such, naming the directory and the checkpoint
+that stays intact; the interrupted save's partial directory is removed when the next manager opens the directory
+(before it checks the directory is writable), and so are stale write probes; each removal is reported through
+`log`.
 
 Typed PRNG keys (`jax.random.key`) are stored as their key data (uint32) and re-wrapped with the implementation
 of the restore target; raw key data (`jax.random.key_data`) round-trips as any uint32 array.
@@ -35,10 +44,14 @@ Example:
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +64,15 @@ from etils import epath
 from logra_jax.core.fingerprint import leaf_fingerprints
 from logra_jax.parallel import multihost
 
-LAYOUT_FORMAT = "logra_jax.job.checkpoint/1"
+LAYOUT_FORMAT = "logra_jax.job.checkpoint/2"
+OLD_LAYOUT_FORMATS = ("logra_jax.job.checkpoint/1",)  # without the checksums: read, not checked
 _ITEMS = ("state", "data", "extra", "layout")
+_JSON_ITEMS = ("data", "extra")  # their SHA-256 in the layout record
+# What an interrupted save leaves: orbax's temporary step directory, and our write probe.
+_LEFTOVER = re.compile(r"^(\d+\.orbax-checkpoint-tmp.*|\.write-probe-\d+-\d+)$")
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+_FULL_TEXTS = {code: os.strerror(code) for code in _FULL_ERRNOS}  # errno → "No space left on device", ...
+_log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -118,11 +138,14 @@ class CheckpointManager:
       create: create `directory` when missing and check that it can be written (a read-only or full location
         fails here, not at the first save, whose failure orbax reports only from its background threads); with
         False a missing directory raises FileNotFoundError and nothing is checked (restore-only use).
+      log: where the one-line notices go (a leftover of an interrupted save removed); None: this module's
+        `logging` logger, at WARNING.
 
     Raises:
       ValueError: keep or save_every not a positive integer.
       FileNotFoundError: `directory` is missing and create=False.
-      CheckpointError: create=True and `directory` cannot be created or written (names it and the OS error).
+      CheckpointError: create=True and `directory` cannot be created or written (names it and the OS error; a
+        full disk is named as such).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -135,7 +158,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | Path, *, keep: int | None = 3, save_every: int = 1,
-                 async_save: bool = True, create: bool = True) -> None:
+                 async_save: bool = True, create: bool = True, log: Callable[[str], None] | None = None) -> None:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"CheckpointManager: keep must be a positive integer or None, got {keep!r}")
         if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 1:
@@ -144,7 +167,10 @@ class CheckpointManager:
         self.directory = epath.Path(directory) if "://" in str(directory) else epath.Path(Path(directory).absolute())
         if not create and not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
+        self._log = log if log is not None else _log.warning
+        self._pending: int | None = None  # the step of the save in flight (named when it fails)
         if create:  # before orbax starts its background threads, whose own errors would follow ours
+            self._remove_leftovers()  # first: on a disk the interrupted save filled, they hold the space
             _check_writable(self.directory)
         self.keep = keep
         self.save_every = save_every
@@ -167,8 +193,7 @@ class CheckpointManager:
         try:
             self._manager.check_for_errors()
         except Exception as e:
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {type(e).__name__}: "
-                                  f"{_first_line(e)}") from e
+            raise self._save_failed(e) from e
 
     def set_aside(self, step: int, destination: str | Path) -> Path:
         """Move checkpoint `step` out of the manager's directory into `destination`/<step>-<time> (kept, not
@@ -246,7 +271,11 @@ class CheckpointManager:
         # by a last save): surface an earlier save's failure, and probe the directory now, so that a read-only
         # or full location stops the run at this save.
         self.check_for_errors()
-        _check_writable(self.directory)
+        self._pending = step
+        try:
+            _check_writable(self.directory)
+        except CheckpointError as e:  # a disk already full: say which checkpoint is intact and how to go on
+            raise (self._save_failed(e) if _disk_full(e) else e) from e.__cause__
         keyed, treedef = jax.tree_util.tree_flatten_with_path(state_tree)
         paths = [jax.tree_util.keystr(p) for p, _ in keyed]
         leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in keyed]
@@ -257,12 +286,54 @@ class CheckpointManager:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(jax.tree_util.tree_unflatten(treedef, leaves)),
             data=ocp.args.JsonSave(data_state), extra=ocp.args.JsonSave(extra),
-            layout=ocp.args.JsonSave({"format": LAYOUT_FORMAT, "leaves": layout}))
+            layout=ocp.args.JsonSave(_sealed({"format": LAYOUT_FORMAT, "leaves": layout, "items": {
+                "data": _json_digest(data_state), "extra": _json_digest(extra)}})))
         try:
             self._manager.save(step, args=args, force=True)
         except Exception as e:
-            raise CheckpointError(f"saving checkpoint {self.step_dir(step)} failed: {type(e).__name__}: {e}") from e
+            raise self._save_failed(e) from e
         return True
+
+    def _save_failed(self, e: BaseException) -> CheckpointError:
+        """The error to raise for a failed save: names the directory, the step and the cause; for a full disk,
+        which checkpoint is intact and how to resume."""
+        step = "a checkpoint" if self._pending is None else f"checkpoint {self._pending}"
+        full = _disk_full(e)
+        if full is None:
+            return CheckpointError(f"saving {step} in {self.directory} failed: {type(e).__name__}: {_first_line(e)}")
+        done = [s for s in _committed_steps(self.directory) if s != self._pending]
+        intact = f"checkpoint {done[-1]} ({self.step_dir(done[-1])}) is intact" if done else "no checkpoint is intact"
+        return CheckpointError(f"saving {step} in {self.directory} failed: the disk is full ({full}); {intact}. Free "
+                               "space there and run the same command again to resume (the partial save is removed "
+                               f"then). The error: {type(e).__name__}: {_first_line(e)}")
+
+    def _remove_leftovers(self) -> None:
+        """Remove what interrupted saves left in the directory (orbax's temporary step directories: process 0;
+        this process index's write probes of an earlier process), each named through `log`.
+
+        Raises:
+          CheckpointError: a leftover cannot be removed (names it).
+        """
+        if not self.directory.is_dir():
+            return
+        mine = f".write-probe-{jax.process_index()}-"
+        for path in sorted(self.directory.iterdir(), key=lambda p: p.name):
+            if not _LEFTOVER.match(path.name):
+                continue
+            if path.name.startswith(".write-probe-"):
+                if not path.name.startswith(mine) or path.name == f"{mine}{os.getpid()}":
+                    continue
+                path.unlink(missing_ok=True)
+                self._log(f"removed a stale write probe of an earlier run: {path}")
+            elif jax.process_index() == 0:
+                try:
+                    path.rmtree(missing_ok=True)
+                except OSError as e:  # files appearing while it is removed: a save still writing into it
+                    raise CheckpointError(f"cannot remove {path}, the partial checkpoint of an interrupted save "
+                                          f"({type(e).__name__}: {e}); is another run saving into "
+                                          f"{self.directory}?") from e
+                self._log(f"removed the partial checkpoint of an interrupted save: {path}")
+        multihost.barrier("checkpoint leftovers removed")
 
     def restore(self, step: int | None = None, *, abstract: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """Read checkpoint `step` (None: the latest) into the structure, dtypes and shardings of `abstract`.
@@ -298,7 +369,7 @@ class CheckpointManager:
         others = [s for s in steps if s != step]
         hint = f" (other steps on disk: {others})" if others else ""
         layout = self._read(step, where, hint, layout=ocp.args.JsonRestore())["layout"]
-        saved = _check_layout(layout, where)
+        saved = _check_layout(layout, step_dir, hint)
         _match_layout(saved, expected, where)
         items = self._read(step, where, hint, state=ocp.args.StandardRestore(jax.tree_util.tree_unflatten(
             treedef, [_stored(x) for x in wanted])), data=ocp.args.JsonRestore(), extra=ocp.args.JsonRestore())
@@ -311,24 +382,33 @@ class CheckpointManager:
                                       f"fingerprint ({value} != {entry['fingerprint']}){hint}")
         leaves = [jax.random.wrap_key_data(x, impl=e["key_impl"]) if e["key_impl"] else x
                   for x, e in zip(leaves, expected)]
+        _check_items(layout, items, step_dir, hint)
         data = _own_data_state(dict(items["data"]), where)
         return jax.tree_util.tree_unflatten(treedef, leaves), data, dict(items["extra"])
 
     def read_extra(self, step: int) -> dict[str, Any]:
-        """The extra JSON of checkpoint `step` alone (what decides the structure to `restore` it into).
+        """The extra JSON of checkpoint `step` alone (what decides the structure to `restore` it into), checked
+        against the layout record's checksum.
 
         Raises:
-          CheckpointError: the item is unreadable (names the step directory).
+          CheckpointError: the item is unreadable or corrupted (names the step directory or the file).
         """
-        return dict(self._read(step, f"checkpoint {self.step_dir(step)}", "", extra=ocp.args.JsonRestore())["extra"])
+        step_dir = self.step_dir(step)
+        items = self._read(step, f"checkpoint {step_dir}", "", extra=ocp.args.JsonRestore(),
+                           layout=ocp.args.JsonRestore())
+        _check_layout(items["layout"], step_dir, "")
+        _check_items(items["layout"], items, step_dir, "")
+        return dict(items["extra"])
 
     def _read(self, step: int, where: str, hint: str, **items: Any) -> Any:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:
             names = ", ".join(items)
-            raise CheckpointError(f"{where} is unreadable ({names}): {type(e).__name__}: {_first_line(e)}{hint}") \
-                from e
+            bad = _unparsable_json(self.step_dir(step))
+            which = f" (not valid JSON: {', '.join(bad)})" if bad else ""
+            raise CheckpointError(f"{where} is unreadable ({names}){which}: {type(e).__name__}: {_first_line(e)}"
+                                  f"{hint}") from e
 
     def wait_until_finished(self) -> None:
         """Block until the pending asynchronous save has been written (and old checkpoints removed).
@@ -339,7 +419,8 @@ class CheckpointManager:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {type(e).__name__}: {e}") from e
+            raise self._save_failed(e) from e
+        self._pending = None
 
     def close(self) -> None:
         """Finish pending saves and release orbax's resources."""
@@ -382,7 +463,32 @@ def _check_writable(directory: epath.Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except Exception as e:
-        raise CheckpointError(f"checkpoint directory {directory} is not writable: {type(e).__name__}: {e}") from e
+        full = "" if _disk_full(e) is None else "the disk is full, "
+        raise CheckpointError(f"checkpoint directory {directory} is not writable ({full}{type(e).__name__}: "
+                              f"{e})") from e
+
+
+def _disk_full(e: BaseException | None) -> str | None:
+    """The OS's words when `e` (or an error it was raised from) is a full disk or quota, else None: Python's
+    OSError, or TensorStore's message (its C++ writes report the OS error in the text)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            return os.strerror(e.errno)
+        for code, words in _FULL_TEXTS.items():
+            if words in str(e) or f"os_error_code='{code}'" in str(e):
+                return words
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _committed_steps(directory: epath.Path) -> list[int]:
+    """The step directories present (an interrupted save's temporary directory is not one), ascending."""
+    try:
+        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    except OSError:
+        return []
 
 
 def _first_line(e: BaseException) -> str:
@@ -391,14 +497,59 @@ def _first_line(e: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + " ..."
 
 
-def _check_layout(layout: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(layout, Mapping) or layout.get("format") != LAYOUT_FORMAT:
-        raise CheckpointError(f"{where}: layout item is not a {LAYOUT_FORMAT} record")
+def _json_digest(value: Any) -> str:
+    """SHA-256 of `value`'s canonical JSON text (sorted keys, no spaces): equal for equal JSON values, whatever
+    the spacing or key order orbax wrote them in."""
+    plain = json.loads(json.dumps(value, allow_nan=False))  # as it reads back: int keys as strings, tuples as lists
+    text = json.dumps(plain, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _sealed(layout: dict[str, Any]) -> dict[str, Any]:
+    """The layout record with the digest of its other fields, so that a flipped bit in it is found as such."""
+    return {**layout, "sha256": _json_digest(layout)}
+
+
+def _check_layout(layout: Any, step_dir: epath.Path, hint: str) -> list[dict[str, Any]]:
+    """The leaf records of checkpoint `step_dir`'s layout item, after checking its format, fields and own digest."""
+    where = f"checkpoint {step_dir} is corrupted: its layout item ({step_dir / 'layout' / 'metadata'})"
+    if not isinstance(layout, Mapping) or layout.get("format") not in (LAYOUT_FORMAT, *OLD_LAYOUT_FORMATS):
+        raise CheckpointError(f"{where} is not a {LAYOUT_FORMAT} record{hint}")
+    if layout["format"] == LAYOUT_FORMAT:
+        fields = {k: v for k, v in layout.items() if k != "sha256"}
+        if layout.get("sha256") != _json_digest(fields) or not isinstance(layout.get("items"), Mapping):
+            raise CheckpointError(f"{where} does not match its own SHA-256{hint}")
     leaves = layout.get("leaves")
     keys = {"path", "shape", "dtype", "key_impl", "fingerprint"}
     if not isinstance(leaves, list) or not all(isinstance(e, Mapping) and keys <= set(e) for e in leaves):
-        raise CheckpointError(f"{where}: layout item lacks leaf records with fields {sorted(keys)}")
+        raise CheckpointError(f"{where} lacks leaf records with fields {sorted(keys)}{hint}")
     return leaves
+
+
+def _check_items(layout: Mapping[str, Any], items: Mapping[str, Any], step_dir: epath.Path, hint: str) -> None:
+    """Raise CheckpointError naming the file of a JSON item whose contents differ from the digest in the layout
+    (a layout of an older format holds none: nothing to check)."""
+    digests = layout.get("items", {})
+    for name in _JSON_ITEMS:
+        if name in items and name in digests and _json_digest(items[name]) != digests[name]:
+            raise CheckpointError(f"checkpoint {step_dir} is corrupted: its {name} item "
+                                  f"({step_dir / name / 'metadata'}) does not match the SHA-256 in its layout{hint}")
+
+
+# Orbax's JSON files in a step directory (the others are TensorStore's binary files).
+_JSON_FILES = ("_CHECKPOINT_METADATA", "*/metadata", "*/_METADATA", "*/_sharding", "*/array_metadatas/*")
+
+
+def _unparsable_json(step_dir: epath.Path) -> list[str]:
+    """The JSON files of `step_dir` that do not parse (paths relative to its parent), to name in an error."""
+    bad = []
+    for pattern in _JSON_FILES:
+        for path in sorted(step_dir.glob(pattern), key=str):
+            try:
+                json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError):
+                bad.append(f"{step_dir.name}/{path.relative_to(step_dir)}")
+    return bad
 
 
 def _match_layout(saved: list[dict[str, Any]], expected: list[dict[str, Any]], where: str) -> None:

@@ -21,6 +21,7 @@ resumes and is logged.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -60,6 +61,7 @@ RESUME_DEFAULTS = {
 }
 
 _EXIT_BASE = 128
+_log = logging.getLogger(__name__)
 
 
 class RunPreempted(RuntimeError):
@@ -175,8 +177,16 @@ def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    """Write `value` as indented JSON through a temporary file and a rename (never a half-written file)."""
+    """Write `value` as indented JSON through a temporary file and a rename (never a half-written file).
+
+    The temporary files of earlier writers of `path` that were stopped before their rename are removed, each
+    named in a warning of this module's `logging` logger.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    for stale in sorted(path.parent.glob(f".{path.name}.*.tmp")):
+        if stale != tmp:
+            stale.unlink(missing_ok=True)
+            _log.warning(f"removed {stale}, the temporary file of a writer of {path.name} stopped before its rename")
     tmp.write_text(json.dumps(value, indent=2, sort_keys=True))
     os.replace(tmp, path)
 

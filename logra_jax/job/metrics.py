@@ -7,13 +7,15 @@
   progress.update(step, metrics)                  # tqdm on a terminal, one status line now and then elsewhere
 
 A JSONL record is {"step": n, name: value, ...} on one line; a record is complete once its newline is written,
-so a line cut short by a killed process is ignored by `read_metrics` and dropped by `truncate_after`.
+so a line cut short by a killed process is ignored by `read_metrics` and dropped, with a one-line notice naming
+the file, when a MetricsWriter opens it again.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import os
 import sys
@@ -28,6 +30,7 @@ import numpy as np
 import tqdm
 
 JSONL_NAME = "metrics.jsonl"
+_log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -101,13 +104,19 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def _drop_unfinished_line(path: Path) -> None:
-    """Cut a killed writer's unterminated last line, so that the next record starts on a line of its own."""
+def _drop_unfinished_line(path: Path) -> str | None:
+    """Cut a killed writer's unterminated last line, so that the next record starts on a line of its own; returns
+    the one-line notice saying what was cut (None: nothing was)."""
     if not path.exists():
-        return
+        return None
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        os.truncate(path, data.rfind(b"\n") + 1)
+    if not data or data.endswith(b"\n"):
+        return None
+    keep = data.rfind(b"\n") + 1
+    os.truncate(path, keep)
+    cut = data[keep:].decode(errors="replace")
+    return (f"{path}: dropped its unfinished last line ({len(data) - keep} bytes, from a run stopped while writing "
+            f"it): {cut[:60]!r}{' ...' if len(cut) > 60 else ''}")
 
 
 class NullWriter:
@@ -152,6 +161,8 @@ class MetricsWriter:
       workdir: the run directory (created).
       tensorboard: also write TensorBoard event files.
       flush_secs: how often tensorboardX flushes its event file.
+      log: where the one-line notice goes when an unfinished last line is dropped (None: the `logging` logger
+        of this module, at WARNING).
 
     Example:
       >>> import tempfile
@@ -163,13 +174,16 @@ class MetricsWriter:
       [{'step': 1, 'loss': 0.5}]
     """
 
-    def __init__(self, workdir: str | Path, *, tensorboard: bool = True, flush_secs: int = 30) -> None:
+    def __init__(self, workdir: str | Path, *, tensorboard: bool = True, flush_secs: int = 30,
+                 log: Callable[[str], None] | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / JSONL_NAME
         self.tensorboard = tensorboard
         self._flush_secs = flush_secs
-        _drop_unfinished_line(self.path)
+        notice = _drop_unfinished_line(self.path)
+        if notice is not None:
+            (log if log is not None else _log.warning)(notice)
         self._file: TextIO | None = self.path.open("a")
         self._tb: Any = None
         self._purge_step: int | None = None
@@ -205,14 +219,18 @@ class MetricsWriter:
           ValueError: negative step, a metric named "step", a metric with more than one element, or a closed
             writer.
           TypeError: a non-numeric metric (names it).
+          OSError: the file cannot be written (names it and the step; e.g. a full disk).
         """
         step = _check_step(step, "MetricsWriter.write")
         file = self._open_file()
         if "step" in metrics:
             raise ValueError("MetricsWriter.write: 'step' is reserved for the record's step, not a metric name")
         values = {name: _scalar(name, value) for name, value in metrics.items()}
-        file.write(json.dumps({"step": step, **values}) + "\n")
-        file.flush()
+        try:
+            file.write(json.dumps({"step": step, **values}) + "\n")
+            file.flush()
+        except OSError as e:  # the bare OSError names no file ("[Errno 28] No space left on device")
+            raise OSError(e.errno, f"appending step {step} to {self.path} failed: {e.strerror or e}") from e
         if self.tensorboard:
             tb = self._summary_writer()
             for name, value in values.items():
@@ -399,15 +417,23 @@ class Logger:
         self.label = label
 
     def __call__(self, message: str, *, everywhere: bool = False) -> None:
-        """Write `message` with the local time in front (on a non-primary process only when `everywhere`)."""
+        """Write `message` with the local time in front (on a non-primary process only when `everywhere`).
+
+        A log file that cannot be written (a full disk) is said on the stream instead of raising: the message
+        may be the error that stops the run, which must not be replaced by the log's own.
+        """
         if not (self.primary or everywhere):
             return
         label = f"[{self.label}] " if self.label else ""
         line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {label}{message}"
-        tqdm.tqdm.write(line, file=self.stream if self.stream is not None else sys.stderr)
+        stream = self.stream if self.stream is not None else sys.stderr
+        tqdm.tqdm.write(line, file=stream)
         if self.primary:
-            with self.path.open("a") as f:
-                f.write(line + "\n")
+            try:
+                with self.path.open("a") as f:
+                    f.write(line + "\n")
+            except OSError as e:  # a full disk: the message is on the stream; the run's own error stays the one raised
+                tqdm.tqdm.write(f"(not written to {self.path}: {e.strerror or e})", file=stream)
 
 
 def _proc_status_bytes(path: str = "/proc/self/status") -> dict[str, int]:
