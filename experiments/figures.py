@@ -342,7 +342,7 @@ def _fits() -> Iterator[Quote]:
     q = _quoter("experiments/memory/fits.json")
     docs = tuple(str(path.relative_to(ROOT)) for path in fits.BLOCK_FILES)
     rows = fits.load_rows()
-    for template, values in [fits.row_template(r) for r in rows] + [fits.tally_template(rows)]:
+    for template, values in [fits.placement_template(g) for g in fits.placements(rows)] + [fits.tally_template(rows)]:
         yield from q(docs, template, *values)
     # the H100 cells replanned with the per-layer GPU engine (the figures before it are from the cells' history)
     cell = lambda name: _json(f"experiments/memory/fits_cells/{name}.json")

@@ -57,18 +57,35 @@ def row(cell: dict) -> dict:
             "rl_step_seconds": None if step is None else step["seconds"], "fits": cell["status"] == 0}
 
 
-def row_template(r: dict) -> tuple[str, tuple[float, ...]]:
-    """One table line with its measured figures (peak and HBM left in GiB, the RL step's time) as format fields,
-    and their values: the line is `template.format(*values)` with a leading minus written "−" (how
-    experiments/figures.py registers it for tests/docs/test_quoted_figures.py)."""
-    refused = " (refused by the compiler)" if r["refused"] else ""
-    seconds = r["rl_step_seconds"]
-    time, values = ("–", ()) if seconds is None else ("{:.0f} s", (seconds,)) if seconds < 600 else (
+def _optimizer_cell(r: dict | None) -> tuple[str, tuple[float, ...]]:
+    """One optimizer's cell of a placement's line: its peak GiB per device and the phase, "**no**: " first when it
+    does not fit, "(refused)" when the TPU compiler refused the program; "–" when it was not planned."""
+    if r is None:
+        return "–", ()
+    refused = " (refused)" if r["refused"] else ""
+    return f"{'' if r['fits'] else '**no**: '}{{:.2f}} {r['peak_phase']}{refused}", (r["peak_gib"],)
+
+
+def placement_template(rows: list[dict]) -> tuple[str, tuple[float, ...]]:
+    """One placement's table line (`rows`: its plans, one per optimizer) with its measured figures (peaks in GiB,
+    LoGRA + KL's RL step time) as format fields, and their values: the line is `template.format(*values)` with a
+    leading minus written "−" (how experiments/figures.py registers it for tests/docs/test_quoted_figures.py)."""
+    first, by = rows[0], {r["optimizer"]: r for r in rows}
+    cells = [_optimizer_cell(by.get(o)) for o in ("logra_kl", "adamw_targets", "adamw")]
+    seconds = by["logra_kl"]["rl_step_seconds"] if "logra_kl" in by else None
+    time, step = ("–", ()) if seconds is None else ("{:.0f} s", (seconds,)) if seconds < 600 else (
         "{:.1f} min", (seconds / 60,))
-    template = (f"| {r['model']} (`:{r['variant']}`) | {r['target']}: {r['devices']} × {r['hbm_gib']:.0f} GiB | "
-                f"{LABELS[r['optimizer']]} | {{:.2f}}{refused} | {r['peak_phase']} | {{:.2f}} | {time} | "
-                f"{'yes' if r['fits'] else '**no**'} |")
-    return template, (r["peak_gib"], r["left_gib"], *values)
+    template = (f"| {first['model']} (`:{first['variant']}`) | {first['target']}: {first['devices']} × "
+                f"{first['hbm_gib']:.0f} GiB | " + " | ".join(c for c, _ in cells) + f" | {time} |")
+    return template, tuple(v for _, values in cells for v in values) + step
+
+
+def placements(rows: list[dict]) -> list[list[dict]]:
+    """`rows` (in `ordered` order) grouped by placement (variant and target), in the same order."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["target"]), []).append(r)
+    return list(groups.values())
 
 
 def _render(template: str, values: tuple[float, ...]) -> str:
@@ -77,9 +94,11 @@ def _render(template: str, values: tuple[float, ...]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | placement | optimizer | peak GiB per device | peak phase | HBM left GiB | RL step on paper | "
-             "fits |", "|---|---|---|---|---|---|---|---|"]
-    return "\n".join(lines + [_render(*row_template(r)) for r in rows])
+    """One line per placement: each optimizer's peak GiB per device and phase ("**no**: " where it does not fit),
+    and LoGRA + KL's RL step on paper."""
+    lines = ["| model | placement | LoGRA + KL | AdamW-targets | AdamW | RL step on paper (LoGRA + KL) |",
+             "|---|---|---|---|---|---|"]
+    return "\n".join(lines + [_render(*placement_template(g)) for g in placements(rows)])
 
 
 def ordered(rows: list[dict]) -> list[dict]:
