@@ -314,10 +314,9 @@ class CheckpointManager:
         Raises:
           CheckpointError: a leftover cannot be removed (names it).
         """
-        if not self.directory.is_dir():
-            return
         mine = f".write-probe-{jax.process_index()}-"
-        for path in sorted(self.directory.iterdir(), key=lambda p: p.name):
+        found = sorted(self.directory.iterdir(), key=lambda p: p.name) if self.directory.is_dir() else []
+        for path in found:
             if not _LEFTOVER.match(path.name):
                 continue
             if path.name.startswith(".write-probe-"):
@@ -333,7 +332,7 @@ class CheckpointManager:
                                           f"({type(e).__name__}: {e}); is another run saving into "
                                           f"{self.directory}?") from e
                 self._log(f"removed the partial checkpoint of an interrupted save: {path}")
-        multihost.barrier("checkpoint leftovers removed")
+        multihost.barrier("checkpoint leftovers removed")  # every process, whether or not the directory exists
 
     def restore(self, step: int | None = None, *, abstract: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """Read checkpoint `step` (None: the latest) into the structure, dtypes and shardings of `abstract`.

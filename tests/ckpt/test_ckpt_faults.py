@@ -93,10 +93,10 @@ def disk_fills(directory: Path, room: int):
         yield
 
 
-def settle(directory: Path, timeout: float = 20.0) -> None:
-    """Wait until nothing under `directory` changes for 0.3 s: the failed save's TensorStore writes, which the
-    injected fault does not fail, may still be in flight (a real run's process exits after the failure; this
-    test's goes on, as the next run, in the same process)."""
+def settle(directory: Path, quiet: float = 1.0, timeout: float = 30.0) -> None:
+    """Wait until nothing under `directory` changes for `quiet` seconds: the failed save's TensorStore writes,
+    which the injected fault does not fail, may still be in flight (a real run's process exits after the
+    failure; this test's goes on, as the next run, in the same process)."""
     def snapshot():
         sizes = []
         for path in directory.rglob("*"):
@@ -104,13 +104,14 @@ def settle(directory: Path, timeout: float = 20.0) -> None:
                 sizes.append((str(path), path.stat().st_size))
         return sorted(sizes)
 
-    deadline, last = time.monotonic() + timeout, None
+    deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
     while time.monotonic() < deadline:
         now = snapshot()
-        if now == last:
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
             return
-        last = now
-        time.sleep(0.3)
+        time.sleep(0.1)
     raise AssertionError(f"{directory} still changing after {timeout} s")
 
 
@@ -319,6 +320,7 @@ def test_leftovers_of_interrupted_saves_are_removed_and_named_one_line_each(save
     shutil.copytree(saved_pair, directory)
     partial = directory / "3.orbax-checkpoint-tmp-1700000000000000"  # a save killed before its rename
     shutil.copytree(directory / "2", partial)
+    (partial / "state" / "manifest.ocdbt.__lock").write_bytes(b"")  # TensorStore's lock of a write in flight
     stale_probe = directory / ".write-probe-0-999999999"  # a process killed between the probe's write and unlink
     stale_probe.write_text("ok")
     other_process = directory / ".write-probe-1-999999999"  # process 1 of a multi-host run may be probing now
