@@ -161,8 +161,8 @@ class MetricsWriter:
       workdir: the run directory (created).
       tensorboard: also write TensorBoard event files.
       flush_secs: how often tensorboardX flushes its event file.
-      log: where the one-line notice goes when an unfinished last line is dropped (None: the `logging` logger
-        of this module, at WARNING).
+      log: where the one-line notices go when an unfinished last line is dropped or a stopped rewrite's
+        temporary copy removed (None: the `logging` logger of this module, at WARNING).
 
     Example:
       >>> import tempfile
@@ -181,9 +181,14 @@ class MetricsWriter:
         self.path = self.workdir / JSONL_NAME
         self.tensorboard = tensorboard
         self._flush_secs = flush_secs
+        self._tmp = self.path.with_name(self.path.name + ".tmp")  # truncate_after's copy before its rename
+        say = log if log is not None else _log.warning
+        if self._tmp.exists():
+            self._tmp.unlink()
+            say(f"removed {self._tmp}, the copy of {JSONL_NAME} a resume was rewriting when it stopped")
         notice = _drop_unfinished_line(self.path)
         if notice is not None:
-            (log if log is not None else _log.warning)(notice)
+            say(notice)
         self._file: TextIO | None = self.path.open("a")
         self._tb: Any = None
         self._purge_step: int | None = None
@@ -249,9 +254,8 @@ class MetricsWriter:
         step = _check_step(step, "MetricsWriter.truncate_after", low=-1)
         self._open_file().close()
         kept = [r for r in read_metrics(self.path) if r["step"] <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        self._tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(self._tmp, self.path)
         self._file = self.path.open("a")
         if self._tb is not None:
             self._tb.close()

@@ -359,6 +359,18 @@ def test_a_half_written_metrics_line_is_dropped_and_named(tmp_path):
     assert len(notices) == 1  # a complete file: nothing to say
 
 
+def test_a_stopped_rewrite_of_the_metrics_leaves_a_copy_that_is_removed_and_named(tmp_path):
+    """truncate_after writes metrics.jsonl.tmp, then renames it: a run stopped in between leaves the copy."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    (tmp_path / "metrics.jsonl.tmp").write_text('{"step": 1, "lo')
+    notices = []
+    with MetricsWriter(tmp_path, tensorboard=False, log=notices.append):
+        pass
+    assert notices == [f"removed {tmp_path / 'metrics.jsonl.tmp'}, the copy of metrics.jsonl a resume was rewriting "
+                       "when it stopped"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 # ---------------------------------------------------------------- a checkpoint of another config
 
 
