@@ -241,7 +241,12 @@ def _suggest(fv: flags.FlagValues, info: aot.TargetInfo, hbm: int, run: Any, pro
             continue
         staleness = max(1, run.rollout.max_staleness)
         same = run.rollout.engine_devices == k and run.rollout.max_staleness == staleness
-        split = own if same else _plan(fv, info, hbm, with_placement(run, k, staleness), prompt_len)
+        try:
+            split = own if same else _plan(fv, info, hbm, with_placement(run, k, staleness), prompt_len)
+        except jax.errors.JaxRuntimeError as err:  # e.g. libtpu: the k devices are not a slice it compiles for
+            print(f"the compiler refused the split k = {k}: {err}", flush=True)
+            rows.append(f"{k:>2d} {info.num_devices - k:>7d} the compiler refused it: {str(err).splitlines()[0]}")
+            continue
         step, speedup = split.step, _speedup(colocated, split)
         rows.append(f"{k:>2d} {info.num_devices - k:>7d} {_fits(split, hbm):>16s} "
                     f"{_seconds_cell(step and step['parts']['rollout']):>9s} "

@@ -179,3 +179,31 @@ def test_a_decode_copy_sits_beside_the_masters(splits):
     colocated, _ = plan.placement_meshes(split_run(0, staleness=0), jax.devices())
     with pytest.raises(ValueError, match="engine_decode_copy is for an engine on devices of its own"):
         plan.plan_phases(split_run(0, staleness=0), colocated, prompt_len=8, engine_decode_copy=True)
+
+
+def test_the_suggestion_table_names_the_fastest_that_fits_and_a_refused_split(monkeypatch, capsys):
+    """The table from given placements (each plan replaced by phases of known times): k = 4 has the shortest
+    pipelined step but does not fit, so k = 2 is named with its speedup over the colocated step (20 s / 8 s); a
+    split the compiler refuses (libtpu's answer for 6 of v5e:2x4's chips) is a row saying so, not a crash."""
+    times = {0: (10.0, 10.0, 0), 2: (8.0, 3.0, 0), 4: (4.0, 5.0, 3)}  # rollout s, train step s, exit status
+
+    def fake_plan(fv, info, hbm, run, prompt_len):
+        k = run.rollout.engine_devices
+        if k == 6:
+            raise jax.errors.JaxRuntimeError("INTERNAL: chips: 2,3,1 does not evenly divide into chips_per_hosts")
+        rollout, train, status = times[k]
+        phases = [plan.PhaseBytes("rollout", {"total": 2**20}, 0, time={"est_seconds": rollout}),
+                  plan.PhaseBytes("train step", {"total": 2**20}, 0, time={"est_seconds": train})]
+        return plan_cli._Placement(run, None, None, phases, "", status)
+
+    monkeypatch.setattr(plan_cli, "_plan", fake_plan)
+    assert plan_cli.main(["--config=configs/demo.py:runlocal", "--target=cpu:8", "--hbm_gib=1", "--prompt_len=8",
+                          "--config.sft.steps=0", "--suggest_split"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("split suggestion for cpu:8"):].splitlines()[2:]
+    assert table[0].split()[:3] == ["0", "8", "yes"] and table[0].split()[-2:] == ["20.0", "1.00"], table
+    assert table[1].split()[:3] == ["2", "6", "yes"] and table[1].split()[-2:] == ["8.0", "2.50"], table
+    assert table[2].split()[:3] == ["4", "4", "no"] and table[2].split()[-2:] == ["5.0", "4.00"], table
+    assert table[3].startswith(" 6       2 the compiler refused it: INTERNAL: chips: 2,3,1"), table
+    assert table[4] == ("best that fits: rollout.engine_devices = 2 with rollout.max_staleness >= 1, pipelined "
+                        "step 8.0 s, 2.50× the colocated step's speed"), table
