@@ -1,5 +1,6 @@
-"""Faults beyond kills in a whole run (issue 63): a NaN or Inf in a step's rewards or gradients, a half-written
-metrics line, a flipped bit in the newest checkpoint's data item, a checkpoint of another config.
+"""Faults beyond kills in a whole run (issue 63): a disk that fills during a save, a NaN or Inf in a step's rewards
+or gradients, a half-written metrics line, a flipped bit in the newest checkpoint's data item, a checkpoint of
+another config.
 
 One tiny 2-step run (checkpoints 1 and 2) is made once per session; each test copies it and resumes it with the
 fault injected. The checkpoint-layer faults (a full disk, a flipped bit in every file of a checkpoint, leftovers
@@ -8,7 +9,10 @@ of interrupted saves) are tested on CheckpointManager in tests/ckpt/test_ckpt_fa
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -22,6 +26,8 @@ from logra_jax.job.train import train_and_evaluate
 
 # one xdist worker for the module, so that the session fixture is built once (see test_run_lifecycle.py)
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -129,3 +135,74 @@ def test_a_checkpoint_of_another_config_is_refused_without_its_config_json(healt
     config["optimizer"]["base_seed"] = 7  # other projections: the same shapes, so the restore itself succeeds
     with pytest.raises(ValueError, match=r"optimizer\.base_seed: 0 in the checkpointed run, 7 now"):
         train_and_evaluate(config, workdir)
+
+
+FILL_THE_DISK = """
+import json, os, sys, time
+import logra_jax.job.train as train
+from logra_jax.job.train import train_and_evaluate
+
+config, workdir, mount = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+filler = os.path.join(mount, "filler")
+real, calls, out = train.score_responses, [0], {}
+
+def score_then_fill_the_disk(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:  # RL step 2: once checkpoint 1 is committed, leave 64 kB: too little for checkpoint 2
+        while not os.path.isdir(os.path.join(workdir, "checkpoints", "1")):
+            time.sleep(0.05)
+        disk = os.statvfs(mount)
+        with open(filler, "wb") as f:
+            f.write(bytes(disk.f_bavail * disk.f_frsize - 64 * 1024))
+    return real(*args, **kwargs)
+
+train.score_responses = score_then_fill_the_disk
+try:
+    train_and_evaluate(config, workdir)
+except Exception as e:
+    out["error"] = type(e).__name__ + ": " + str(e)
+train.score_responses = real
+os.remove(filler)  # space is back
+out["summary"] = train_and_evaluate(config, workdir)  # the same command again
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _tmpfs_refused(path: Path) -> str | None:
+    """None when an unprivileged mount namespace can mount a tmpfs on `path` here, else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) here"
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {path}"],
+                           capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"unshare -rm cannot mount a tmpfs: {probe.stderr.strip()[:200]}"
+
+
+def test_a_disk_full_during_a_save_stops_the_run_and_the_same_command_resumes(healthy_run, tmp_path, read_metrics):
+    """The run's workdir on a 4 MB tmpfs that a file fills at step 2, leaving 64 kB: saving checkpoint 2 fails with
+    ENOSPC. The run stops naming the directory, the full disk and checkpoint 1 (intact); the log line saying so
+    cannot raise in place of that error on the full disk. Once the file is gone, the same call removes the partial
+    save and resumes from checkpoint 1 to the healthy run's metrics."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    reason = _tmpfs_refused(mount)
+    if reason:
+        pytest.skip(f"no small filesystem to fill: {reason}")
+    workdir, config = mount / "run", healthy_run[1]
+    driver = tmp_path / "driver.py"
+    driver.write_text(FILL_THE_DISK)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ["LOGRA_TEST_XLA_FLAGS"]}
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=4m tmpfs {mount} && "
+                           f"{sys.executable} {driver} '{json.dumps(config)}' {workdir} {mount} && "
+                           f"cp -r {workdir} {tmp_path / 'after'}"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out, after = json.loads(lines[-1].removeprefix("RESULT ")), tmp_path / "after"
+    ckpt = workdir / "checkpoints"
+    assert out["error"].startswith(f"CheckpointError: saving checkpoint 2 in {ckpt} failed: the disk is full (No "
+                                   f"space left on device); checkpoint 1 ({ckpt / '1'}) is intact. Free space"), out
+    assert f"removed the partial checkpoint of an interrupted save: {ckpt / '2'}.orbax-checkpoint-tmp" in proc.stderr
+    assert out["summary"]["steps"] == 2
+    assert read_metrics(after) == read_metrics(healthy_run[0])
+    log = (after / "log.txt").read_text()
+    assert "resumed from checkpoint step 1" in log and log.rstrip().endswith("stopped: finished 2 steps")
