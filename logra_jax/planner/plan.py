@@ -794,8 +794,8 @@ def step_line(step: dict[str, Any], run: Any) -> str:
             + (f" + evaluation {_seconds(parts['evaluation'])}" if "evaluation" in parts else "")
             + (f" + sync merge {_seconds(step['merge_seconds'])}" if sync is not None else "")
             + f"), trainer {_seconds(step['trainer_seconds'])}"
-            + (f" (KL reference {_seconds(parts['KL reference'])} +" if "KL reference" in parts else " (")
-            + f" train step {_seconds(parts['train step'])}"
+            + (f" (KL reference {_seconds(parts['KL reference'])} + " if "KL reference" in parts else " (")
+            + f"train step {_seconds(parts['train step'])}"
             + (f" + payload transfer {_seconds(step['transfer_seconds'])}" if sync is not None else "")
             + f"); sequential {_seconds(step['sequential_seconds'])}, pipelined "
             f"{_seconds(step['pipelined_seconds'])}; rollout.max_staleness = {run.rollout.max_staleness}: "

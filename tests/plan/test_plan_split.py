@@ -207,3 +207,20 @@ def test_the_suggestion_table_names_the_fastest_that_fits_and_a_refused_split(mo
     assert table[3].startswith(" 6       2 the compiler refused it: INTERNAL: chips: 2,3,1"), table
     assert table[4] == ("best that fits: rollout.engine_devices = 2 with rollout.max_staleness >= 1, pipelined "
                         "step 8.0 s, 2.50× the colocated step's speed"), table
+
+
+def test_the_split_step_line_names_both_sides():
+    """The report's line for a split step: each side's parts, sequential and pipelined, from rl_step_time."""
+    run = split_run(4)
+    time = lambda s, **kw: {"est_seconds": s, **kw}
+    phases = [plan.PhaseBytes("rollout", {"total": 0}, 0, time=time(30.0)),
+              plan.PhaseBytes("KL reference", {"total": 0}, 0, time=time(2.0)),
+              plan.PhaseBytes("train step", {"total": 0}, 0, time=time(10.0)),
+              plan.PhaseBytes("policy sync", {"total": 0}, 0, time=time(0.5, apply_seconds=0.3,
+                                                                              transfer_seconds=0.2)),
+              plan.PhaseBytes("evaluation", {"total": 0}, 0, time=time(8.0))]
+    line = plan.step_line(plan.rl_step_time(phases, run), run)
+    # engine: 30 + 8 / eval_every 2 + 0.3 = 34.3 s; trainer: 2 + 10 + 0.2 = 12.2 s
+    assert line.startswith("RL step on paper, the engine on 4 devices of its own: engine 34.3 s (rollout 30.0 s + "
+                           "evaluation 4.0 s + sync merge 300.0 ms), trainer 12.2 s (KL reference 2.0 s + train step "
+                           "10.0 s + payload transfer 200.0 ms); sequential 46.5 s, pipelined 34.3 s"), line
