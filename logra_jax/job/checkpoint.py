@@ -349,8 +349,10 @@ class CheckpointManager:
 
         Raises:
           FileNotFoundError: no checkpoint at all, or none for `step` (names the path and the available steps).
-          CheckpointError: an unreadable item, a leaf whose bits differ from what was saved, or a tree that does
-            not match the checkpoint (names the step directory and the first mismatching leaf path).
+          CheckpointError: an unreadable item (naming the JSON files that no longer parse), a leaf whose bits
+            differ from what was saved, a JSON item or layout record that differs from its SHA-256 (naming the
+            file), or a tree that does not match the checkpoint (names the step directory and the first
+            mismatching leaf path).
         """
         keyed, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         paths = [jax.tree_util.keystr(p) for p, _ in keyed]
