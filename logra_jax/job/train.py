@@ -270,6 +270,12 @@ def _resume_plan(ctx: _Context) -> tuple[list[int], dict[str, Any] | None]:
     config_path = workdir / "config.json"
     changes = check_resume(read_json(config_path, "saved config"), current, str(workdir)) \
         if config_path.exists() else {}
+    try:  # the checkpoint's own record of its config (older ones have none)
+        saved = ckpt.read_extra(steps[-1]).get("config")
+    except CheckpointError:  # unreadable: the restore names it (and falls back when asked to)
+        saved = None
+    if saved is not None:  # checkpoints moved beside another run's config.json, or without one, are caught here
+        check_resume(saved, current, f"{workdir} (checkpoint {steps[-1]})")
     if run.train.resume_step >= 0:
         if run.train.resume_step not in steps:
             raise ValueError(f"config.train.resume_step = {run.train.resume_step}: no checkpoint of that step in "
@@ -293,7 +299,7 @@ def _resume_plan(ctx: _Context) -> tuple[list[int], dict[str, Any] | None]:
 def _train_and_evaluate(run: RunConfig, workdir: Path, log: metrics_lib.Logger, stop: StopRequests,
                         reward_fn: RewardFn | None) -> dict[str, float]:
     _check_devices(run)
-    ckpt = CheckpointManager(workdir / "checkpoints", keep=run.train.keep_checkpoints,  # checks it is writable
+    ckpt = CheckpointManager(workdir / "checkpoints", keep=run.train.keep_checkpoints, log=log,  # checks writable
                              save_every=run.train.checkpoint_every or run.train.steps + 1)
     with contextlib.ExitStack() as opened:  # closed in reverse order; quietly when an error is on its way out
         _closes(opened, ckpt)
@@ -389,7 +395,7 @@ def _run(ctx: _Context) -> dict[str, Any]:
     resume_step = candidates[0] if candidates else None
     job = _start(ctx, resume_step)
     ctx.log(metrics_lib.describe_device_balance("start"))
-    writer = metrics_lib.MetricsWriter(ctx.workdir) if multihost.is_primary() else metrics_lib.NullWriter()
+    writer = metrics_lib.MetricsWriter(ctx.workdir, log=ctx.log) if multihost.is_primary() else metrics_lib.NullWriter()
     ctx = dataclasses.replace(ctx, writer=_closes(ctx.opened, writer))
     if resume_step is None:
         writer.truncate_after(-1)  # lines of a run killed before its first checkpoint
@@ -765,7 +771,7 @@ def _checkpoint_or_stop(ctx: _Context, t: _LoopState, step: int) -> None:
     signum = int(multihost.gather(np.int32(stop.signum or 0)).max()) or None
     must = signum is not None or (last and run.train.checkpoint_every > 0)
     tree: tuple[Any, ...] = (t.state, t.est_state)
-    extra = {"accuracy_before": t.accuracy_before, "sft": t.warm_start}
+    extra = {"accuracy_before": t.accuracy_before, "sft": t.warm_start, "config": run.to_dict()}
     if t.pipeline.pending and (must or ckpt.should_save(step + 1)):  # the batches in flight go with it
         t.pipeline.drain()
         tree, extra["pipeline"] = (*tree, pending_tree(t.pipeline)), pending_record(t.pipeline)
