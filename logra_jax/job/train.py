@@ -806,7 +806,7 @@ def _rl_loop(ctx: _Context, t: _LoopState) -> None:
         scored = _score(ctx, t, batch, reward_cfg)
         t_rollout = time.perf_counter() - t0
         out = _train_and_publish(ctx, t, scored, step, tis_cap)
-        out.update(_rollout_metrics(run, t, scored, reward_cfg), rollout_time=t_rollout, rollout_wait=waited,
+        out.update(_rollout_metrics(run, t, scored, reward_cfg), rollout_time=t_rollout, rollout_wait_time=waited,
                    step_time=time.perf_counter() - t0, **staleness, **metrics_lib.memory_stats())
         refusals = _guard(out, step, refusals, log)
         if run.train.eval_every and (step + 1) % run.train.eval_every == 0 and step + 1 < run.train.steps:

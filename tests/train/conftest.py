@@ -8,7 +8,7 @@ import pytest
 from jax._src import compilation_cache as compilation_cache_module  # reset_cache: no public equivalent
 
 # Metrics that measure the machine, not the run.
-TIMING = ("step_time", "rollout_time", "rollout_wait", "sync_time", "sync_bytes", "host_rss_bytes",
+TIMING = ("step_time", "rollout_time", "rollout_wait_time", "sync_time", "sync_bytes", "host_rss_bytes",
           "host_peak_rss_bytes")
 
 
