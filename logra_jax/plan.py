@@ -228,10 +228,10 @@ def _suggest(fv: flags.FlagValues, info: aot.TargetInfo, hbm: int, run: Any, pro
     """Plan the colocated placement and each candidate split (pipelined); the table as text."""
     colocated = own if not run.rollout.engine_devices else _plan(fv, info, hbm, with_placement(run, 0, 0),
                                                                  prompt_len)
-    rows = [f"{'k':>2s} {'trainer':>7s} {'fits?':>16s} {'rollout s':>9s} {'engine s':>8s} {'train+sync s':>12s} "
+    rows = [f"{'k':>2s} {'trainer':>7s} {'fits?':>20s} {'rollout s':>9s} {'engine s':>8s} {'train+sync s':>12s} "
             f"{'sequential s':>12s} {'pipelined s':>11s} {'speedup':>7s}"]
     base = colocated.step
-    rows.append(f"{0:>2d} {info.num_devices:>7d} {_fits(colocated, hbm):>16s} "
+    rows.append(f"{0:>2d} {info.num_devices:>7d} {_fits(colocated, hbm):>20s} "
                 f"{_seconds_cell(base and base['parts']['rollout']):>9s} {'':>8s} {'':>12s} "
                 f"{_seconds_cell(base and base['seconds']):>12s} {'':>11s} {'1.00' if base else '–':>7s}")
     planned = {}
@@ -248,7 +248,7 @@ def _suggest(fv: flags.FlagValues, info: aot.TargetInfo, hbm: int, run: Any, pro
             rows.append(f"{k:>2d} {info.num_devices - k:>7d} the compiler refused it: {str(err).splitlines()[0]}")
             continue
         step, speedup = split.step, _speedup(colocated, split)
-        rows.append(f"{k:>2d} {info.num_devices - k:>7d} {_fits(split, hbm):>16s} "
+        rows.append(f"{k:>2d} {info.num_devices - k:>7d} {_fits(split, hbm):>20s} "
                     f"{_seconds_cell(step and step['parts']['rollout']):>9s} "
                     f"{_seconds_cell(step and step['engine_seconds']):>8s} "
                     f"{_seconds_cell(step and step['trainer_seconds']):>12s} "
