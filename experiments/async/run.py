@@ -116,7 +116,9 @@ def metrics(workdir: Path) -> list[dict[str, Any]]:
 
 
 def steps_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if "step_time" in r]
+    """The RL steps' rows, the trainer's wait for its batch as `rollout_wait` (the job logs it as rollout_wait_time
+    since fe5f090; the study's runs, of 5722318, as rollout_wait)."""
+    return [{**r, "rollout_wait": r.get("rollout_wait", r.get("rollout_wait_time"))} for r in rows if "step_time" in r]
 
 
 def launch(cmd: list[str], workdir: Path, code: Path, steps: int) -> int:
