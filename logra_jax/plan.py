@@ -13,8 +13,9 @@ trainer is planned on n − k devices and the engine on the last k, and the RL s
 pipelined (`planner.plan.rl_step_time`); --compare_colocated (on by default) then also plans the same config
 colocated (engine_devices = 0, max_staleness = 0) and prints its step and the speedup. --suggest_split plans the
 colocated placement and k = n/4, n/2, 3n/4 (those that are whole numbers and give valid meshes), each pipelined
-(max_staleness ≥ 1), and prints a table naming the fastest that fits. --engine_decode_copy plans every split as
-if its engine also kept a compute-dtype copy of its masters to decode from (a what-if). Exit status: 0 every
+(max_staleness ≥ 1), and prints a table naming the fastest that fits. Every split's engine holds what the job's
+`DeviceEngine` holds: float32 masters and a compute-dtype copy it decodes from (--noengine_decode_copy: decoding
+from the masters, the worker transport's way). Exit status: 0 every
 phase (of the config's own placement) fits, 3 one does not (naming it and what to change), 2 bad flags, 1 other
 errors.
 """
@@ -76,9 +77,9 @@ def _define_flags(argv: list[str]) -> flags.FlagValues:
     flags.DEFINE_bool("suggest_split", False, "plan the colocated placement and the engine on k = n/4, n/2, 3n/4 "
                       "of the n devices (pipelined), and print a table naming the fastest that fits",
                       flag_values=fv)
-    flags.DEFINE_bool("engine_decode_copy", False, "what-if for an engine on devices of its own: it also keeps a "
-                      "compute-dtype copy of its masters and decodes from it (the in-process transport decodes "
-                      "from the masters)", flag_values=fv)
+    flags.DEFINE_bool("engine_decode_copy", True, "an engine on devices of its own keeps a compute-dtype copy of "
+                      "its masters and decodes from it, as the job's DeviceEngine does (False: it decodes from the "
+                      "masters)", flag_values=fv)
     flags.mark_flags_as_required(["config", "target"], flag_values=fv)
     return fv
 
@@ -172,7 +173,7 @@ def _plan(fv: flags.FlagValues, info: aot.TargetInfo, hbm: int, run: Any, prompt
              f"trainer mesh data×fsdp×tensor {'×'.join(map(str, mesh.devices.shape))} on the first "
              f"{mesh.devices.size} devices, engine on the last {k}, rollout.max_staleness = "
              f"{run.rollout.max_staleness}"
-             + (", what-if: a compute-dtype decode copy beside the engine's masters" if fv.engine_decode_copy else ""))
+             + (", a compute-dtype decode copy beside the engine's masters" if fv.engine_decode_copy else ""))
     print(f"plan: {fv['config'].config_filename} on {fv.target} ({info.device_kind}, {where}; "
           f"{run.model.checkpoint or run.model.preset}, {run.optimizer.name}; jax {jax.__version__})", flush=True)
     phases = plan_phases(run, mesh, prompt_len, engine_mesh=engine_mesh,

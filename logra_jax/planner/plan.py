@@ -205,10 +205,11 @@ class SplitEngine:
     matrices in optimizer.weight_dtype: masters kept bitwise equal to the trainer's by the low-rank payloads),
     sharded in the decode layout (data = k / t, fsdp = 1, tensor = t) over the k devices, and its sampler decodes
     from them as they are (the decoder casts each matrix to the compute dtype at its use): no compute-dtype copy.
-    With `decode_copy` (a what-if the transport does not do today) it also keeps the matrices in the compute dtype
-    (`rollout.engine.decode_config`, layers stacked), rebuilt from the masters after each merge, and decodes from
-    those. The attributes `_engine_phase` reads of a `DecodeLayout` (mesh, graphdef, tensor, config), the state
-    it decodes from (`abstract`), the masters and the bytes per device the masters add beside the copy (`beside`).
+    With `decode_copy` (what the job's `logra_jax.rollout.engine.DeviceEngine` does; the CLI's default) it also
+    keeps the matrices in the compute dtype (`rollout.engine.decode_config`, layers stacked), rebuilt from the
+    masters after each merge, and decodes from those. The attributes `_engine_phase` reads of a `DecodeLayout`
+    (mesh, graphdef, tensor, config), the state it decodes from (`abstract`), the masters and the bytes per device
+    the masters add beside the copy (`beside`).
 
     Args:
       model_config: the trainer's model config (its param_dtype is the trainer's weight dtype).
@@ -662,7 +663,7 @@ def plan_phases(run: Any, mesh: Any, prompt_len: int, *, compiler_options: Mappi
       info: the target's `aot.TargetInfo` (chip figures for each phase's time on paper; None: bytes only).
       engine_mesh: with rollout.engine_devices = k, a mesh over the engine's k devices (`placement_meshes`).
       engine_decode_copy: the engine on devices of its own also keeps a compute-dtype copy to decode from
-        (`SplitEngine`'s what-if).
+        (as `DeviceEngine` does; `SplitEngine`).
       progress: called with each phase's name before it compiles.
 
     Raises:
