@@ -18,6 +18,9 @@ from logra_jax.models.decoder import abstract_model
 from logra_jax.parallel.sharding import FAST_CPU_COMPILE
 from logra_jax.planner import aot, plan
 
+# One worker plans the module's splits once (a module fixture), not every worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("plan_split")
+
 MODEL = {"preset": "tiny", "tokenizer": "char", "overrides": {"max_seq_len": 32, "dtype": "bfloat16"}}
 TRAINER = ("start", "trainer init", "KL reference", "train step")
 ENGINE = ("rollout", "policy sync", "evaluation")
