@@ -181,3 +181,20 @@ def moe_layer_without_expert():
         return layer, x, rng.standard_normal(x.shape).astype(np.float32)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tmpfs_refusal():
+    """refused(path) -> None when an unprivileged mount namespace (`unshare -rm`) can mount a tmpfs on `path`
+    here, else why not (the full-disk tests' skip reason)."""
+    import shutil
+    import subprocess
+
+    def refused(path) -> str | None:
+        if shutil.which("unshare") is None:
+            return "no unshare(1) here"
+        probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {path}"],
+                               capture_output=True, text=True)
+        return None if probe.returncode == 0 else f"unshare -rm cannot mount a tmpfs: {probe.stderr.strip()[:200]}"
+
+    return refused

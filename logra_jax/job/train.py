@@ -110,12 +110,12 @@ class KLRefusalError(RuntimeError):
 
 def _rl_batch(rollout: Rollout, advantages: np.ndarray, tis_cap: float | None = None) -> dict[str, jax.Array]:
     """The train step's batch; tis_cap: every row's cap of its importance weights (a stale batch's)."""
-    experts = {} if rollout.experts is None else {"experts": rollout.experts}  # an MoE rollout's (phases.rl_step)
+    extra = {} if rollout.experts is None else {"experts": rollout.experts}  # an MoE rollout's (phases.rl_step)
     if tis_cap is not None:
-        experts["tis_cap"] = jnp.full(rollout.lengths.shape, tis_cap, jnp.float32)
+        extra["tis_cap"] = jnp.full(rollout.lengths.shape, tis_cap, jnp.float32)
     return {"tokens": rollout.tokens, "attention_mask": rollout.attention_mask(),
             "response_mask": rollout.response_mask, "advantages": jnp.asarray(advantages, jnp.float32),
-            "rollout_logprobs": rollout.logprobs, "finished": rollout.finished, **experts}
+            "rollout_logprobs": rollout.logprobs, "finished": rollout.finished, **extra}
 
 
 EXAMPLES_SHOWN = 3  # held-out problems whose greedy responses the log shows before and after RL

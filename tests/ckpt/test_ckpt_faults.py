@@ -178,20 +178,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _can_mount_tmpfs(path: Path) -> str | None:
-    """None when an unprivileged mount namespace can mount a tmpfs here, else why not."""
-    if shutil.which("unshare") is None:
-        return "no unshare(1) here"
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {path}"],
-                           capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"cannot mount a tmpfs (unshare -rm): {probe.stderr.strip()[:200]}"
-
-
-def test_a_real_full_filesystem_during_a_save(tmp_path):
+def test_a_real_full_filesystem_during_a_save(tmp_path, tmpfs_refusal):
     """A 512 kB tmpfs that the second save overflows from TensorStore's C++ writes: a real ENOSPC."""
     mount = tmp_path / "small_disk"
     mount.mkdir()
-    reason = _can_mount_tmpfs(mount)
+    reason = tmpfs_refusal(mount)
     if reason:
         pytest.skip(f"no small filesystem to fill: {reason}")
     script = tmp_path / "fill.py"

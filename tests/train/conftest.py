@@ -55,3 +55,18 @@ def compilation_cache(monkeypatch):
     yield
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache_module.reset_cache()
+
+
+@pytest.fixture(scope="session")
+def finish_tiny_run(tmp_path_factory, tiny_config):
+    """finish(name, **train) -> (workdir, config): the tiny run with these train fields, run to its end in a new
+    directory named after `name` (a session fixture's finished run, shared by the tests that copy it)."""
+    from logra_jax.job.train import train_and_evaluate
+
+    def finish(name, **train):
+        workdir = tmp_path_factory.mktemp(name)
+        config = tiny_config(train=train)
+        train_and_evaluate(config, workdir)
+        return workdir, config
+
+    return finish

@@ -67,8 +67,8 @@ def test_two_versions_behind_logged_timing_free_and_resumed_exactly(tmp_path, mo
                                                                      read_metrics):
     """max_staleness = 2: versions behind 0, 1, 2, 2, ... and each batch's predicted stale KL the sum of the
     predicted KLs of the updates it missed (read back from the same run's metrics); a second run whose engine is
-    slowed and which is killed at step 4 (after the checkpoint of step 2, which holds the two batches in flight)
-    resumes to the straight run's metrics bit for bit."""
+    slowed (0.3 s after each answer) and which is killed at step 4 (after the checkpoint of step 2, which holds the
+    two batches in flight) resumes to the straight run's metrics bit for bit."""
     config = _config(tiny_config, max_staleness=2)
     train_and_evaluate(config, tmp_path / "straight", reward_fn=_digit_fraction)
     straight = _steps(read_metrics, tmp_path / "straight")
@@ -81,7 +81,7 @@ def test_two_versions_behind_logged_timing_free_and_resumed_exactly(tmp_path, mo
 
     real_request, scored = pipeline_mod.RolloutPipeline.request, []
 
-    def slow_request(self, *args, **kwargs):  # the engine answers each request 0.3 s late
+    def slow_request(self, *args, **kwargs):  # the engine's thread stalls 0.3 s after each answer
         batch = real_request(self, *args, **kwargs)
         batch.answer.add_done_callback(lambda _: time.sleep(0.3))
         return batch

@@ -31,12 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def healthy_run(tmp_path_factory, tiny_config):
+def healthy_run(finish_tiny_run):
     """A finished 2-step run with checkpoints 1 and 2, and its config."""
-    workdir = tmp_path_factory.mktemp("healthy")
-    config = tiny_config(train={"steps": 2, "checkpoint_every": 1})
-    train_and_evaluate(config, workdir)
-    return workdir, config
+    return finish_tiny_run("healthy", steps=2, checkpoint_every=1)
 
 
 def resumable_copy(healthy_run, tmp_path, **train):
@@ -165,23 +162,15 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _tmpfs_refused(path: Path) -> str | None:
-    """None when an unprivileged mount namespace can mount a tmpfs on `path` here, else why not."""
-    if shutil.which("unshare") is None:
-        return "no unshare(1) here"
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {path}"],
-                           capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"unshare -rm cannot mount a tmpfs: {probe.stderr.strip()[:200]}"
-
-
-def test_a_disk_full_during_a_save_stops_the_run_and_the_same_command_resumes(healthy_run, tmp_path, read_metrics):
+def test_a_disk_full_during_a_save_stops_the_run_and_the_same_command_resumes(healthy_run, tmp_path, read_metrics,
+                                                                               tmpfs_refusal):
     """The run's workdir on a 4 MB tmpfs that a file fills at step 2, leaving 64 kB: saving checkpoint 2 fails with
     ENOSPC. The run stops naming the directory, the full disk and checkpoint 1 (intact); the log line saying so
     cannot raise in place of that error on the full disk. Once the file is gone, the same call removes the partial
     save and resumes from checkpoint 1 to the healthy run's metrics."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    reason = _tmpfs_refused(mount)
+    reason = tmpfs_refusal(mount)
     if reason:
         pytest.skip(f"no small filesystem to fill: {reason}")
     workdir, config = mount / "run", healthy_run[1]

@@ -250,12 +250,9 @@ def test_a_stop_request_during_sft_stops_it_at_the_next_sft_step(tmp_path, tiny_
 
 
 @pytest.fixture(scope="session")
-def finished_run(tmp_path_factory, tiny_config):
+def finished_run(finish_tiny_run):
     """A finished 4-step run with checkpoints at 2 and 4."""
-    workdir = tmp_path_factory.mktemp("finished")
-    config = tiny_config(train={"steps": 4, "checkpoint_every": 2})
-    train_and_evaluate(config, workdir)
-    return workdir, config
+    return finish_tiny_run("finished", steps=4, checkpoint_every=2)
 
 
 def copy_run(finished_run, tmp_path):
